@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from fairlane.subjects import REQUESTS_STREAM, USAGE_STREAM, Subjects
+from fairlane.subjects import Subjects
 
 log = structlog.get_logger(__name__)
 
@@ -28,7 +28,7 @@ class StreamSettings(msgspec.Struct, kw_only=True):
 
 def requests_config(subjects: Subjects, s: StreamSettings) -> StreamConfig:
     return StreamConfig(
-        name=REQUESTS_STREAM,
+        name=subjects.requests_stream,
         subjects=[subjects.requests_all()],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
@@ -42,7 +42,7 @@ def requests_config(subjects: Subjects, s: StreamSettings) -> StreamConfig:
 
 def usage_config(subjects: Subjects, s: StreamSettings) -> StreamConfig:
     return StreamConfig(
-        name=USAGE_STREAM,
+        name=subjects.usage_stream,
         subjects=[subjects.usage_all()],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,

@@ -11,8 +11,6 @@ import re
 from fairlane.protocol import ID_PATTERN, ErrorCode, ProtocolError
 
 DEFAULT_PREFIX = "fl"
-REQUESTS_STREAM = "FL_REQUESTS"
-USAGE_STREAM = "FL_USAGE"
 
 _ID_RE = re.compile(ID_PATTERN)
 # A reply subject: dot-separated tokens, no wildcards or whitespace.
@@ -42,6 +40,16 @@ class Subjects:
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = check_id("prefix", prefix)
+
+    @property
+    def requests_stream(self) -> str:
+        """``FL_REQUESTS`` for the default prefix; each prefix gets its own streams so
+        several deployments (or tests) can share one nats-server."""
+        return f"{self.prefix.upper()}_REQUESTS"
+
+    @property
+    def usage_stream(self) -> str:
+        return f"{self.prefix.upper()}_USAGE"
 
     def request(self, pool: str, tier: str, tenant: str) -> str:
         return (
