@@ -22,12 +22,13 @@ ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 TenantId = Annotated[str, Meta(pattern=ID_PATTERN)]
 TierId = Annotated[str, Meta(pattern=ID_PATTERN)]
 PoolId = Annotated[str, Meta(pattern=ID_PATTERN)]
-# Request ids double as JetStream `Nats-Msg-Id` (dedupe key) and appear in logs.
-RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+# Request ids double as JetStream `Nats-Msg-Id` (dedupe key) and as the last token of
+# the reply subject, so the same safe alphabet applies.
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
 WorkerId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 
 
-class ErrorCode(str, enum.Enum):
+class ErrorCode(enum.StrEnum):
     """Stable error codes. Clients switch on these; never rename one."""
 
     MALFORMED = "malformed"  # bytes that are not a valid message
@@ -171,7 +172,9 @@ class TokenChunk(Struct, kw_only=True, omit_defaults=True):
 
     ``seq`` starts at 0 and increases by one per chunk; receivers drop duplicates and
     treat a gap as an error. The last chunk has ``finish_reason`` (and ``usage``), or
-    ``error``.
+    ``error``. An error chunk is terminal and accepted whatever its ``seq``: the
+    dispatcher sends some (``expired``, ``worker_lost``) without knowing how many
+    chunks the worker already sent.
     """
 
     request_id: str

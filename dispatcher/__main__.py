@@ -1,0 +1,50 @@
+"""`python -m dispatcher`: one dispatcher for one model pool."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import structlog
+
+from dispatcher.config import DispatcherSettings
+from dispatcher.service import Dispatcher
+from fairlane.logs import configure_logging
+from fairlane.runtime import run
+from fairlane.settings import load_settings
+
+log = structlog.get_logger("dispatcher")
+
+
+def scheduler_config_for(settings: DispatcherSettings):
+    """The pool's scheduler config from the tenants file, or built-in defaults."""
+    try:
+        from fairlane.tenants import default_tenants, load_tenants
+    except ImportError:  # tenants support not present: defaults
+        return None
+    tenants = load_tenants(settings.tenants_file) if settings.tenants_file else default_tenants()
+    return tenants.scheduler_config(settings.pool)
+
+
+async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> int:
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr="127.0.0.1")
+    dispatcher = Dispatcher(settings, scheduler_config_for(settings))
+    await dispatcher.start()
+    await stop.wait()
+    log.info("stopping", reason="signal")
+    await dispatcher.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = load_settings(DispatcherSettings, argv, prog="dispatcher",
+                             description="fairlane dispatcher for one model pool")
+    configure_logging(settings.log_level, settings.log_json)
+    return run(lambda stop: serve(settings, stop))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

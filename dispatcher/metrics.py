@@ -1,0 +1,38 @@
+"""Prometheus metrics of the dispatcher (per-tenant labels; DESIGN.md section 7).
+
+Gauges are refreshed from the scheduler on each housekeeping pass rather than on every
+decision, so the hot path only touches counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+INGESTED = Counter("fl_dispatcher_ingested_total", "Request messages fetched from JetStream")
+REJECTED = Counter("fl_dispatcher_rejected_total", "Requests refused or dropped", ["reason"])
+DISPATCHED_COST = Counter(
+    "fl_dispatcher_dispatched_cost_total", "Cost units dispatched (estimate at dispatch)",
+    ["tenant", "tier"],
+)
+QUEUE_WAIT = Histogram(
+    "fl_dispatcher_queue_wait_seconds", "Time from ingest to dispatch", ["tier"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+QUEUE_DEPTH = Gauge("fl_dispatcher_queue_depth", "Requests queued", ["tenant"])
+IN_FLIGHT = Gauge("fl_dispatcher_in_flight", "Requests dispatched, not finished", ["tenant"])
+TIER_SHARE = Gauge("fl_dispatcher_tier_share", "Share of dispatched cost per tier", ["tier"])
+
+
+def observe_scheduler(scheduler) -> None:
+    """Refresh gauges from the scheduler's per-tenant loads."""
+    tier_cost: dict[str, float] = {}
+    for tenant, load in scheduler.tenant_loads().items():
+        QUEUE_DEPTH.labels(tenant=tenant).set(load.num_queued)
+        IN_FLIGHT.labels(tenant=tenant).set(load.num_in_flight)
+        cfg = scheduler.config.tenant(tenant)
+        tier = cfg.tier if cfg else "unknown"
+        tier_cost[tier] = tier_cost.get(tier, 0.0) + load.dispatched_cost
+    total = sum(tier_cost.values())
+    if total > 0:
+        for tier, cost in tier_cost.items():
+            TIER_SHARE.labels(tier=tier).set(cost / total)

@@ -1,0 +1,478 @@
+"""The dispatcher's asyncio shell: all I/O around the pure scheduler core.
+
+Message lifecycle (DESIGN.md section 4). A request's JetStream message is fetched,
+decoded and checked, then *held un-acked* while the request waits (touched with
+``in_progress`` well inside ``ack_wait``). It is acked once a worker reports
+``Started`` (so started work is never replayed), or terminated when the request is
+refused, expires or is cancelled. If this process dies, JetStream redelivers every
+held message to the next dispatcher after ``ack_wait``. `_settle` is the one place
+that decides acks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import nats
+import structlog
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from dispatcher import metrics
+from dispatcher.config import DispatcherSettings
+from dispatcher.scheduler.config import SchedulerConfig
+from dispatcher.scheduler.core import Scheduler
+from dispatcher.scheduler.types import ActualUsage, QueuedRequest, Verdict
+from dispatcher.workers import WorkerRegistry
+from fairlane.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    Finished,
+    Heartbeat,
+    InferenceRequest,
+    ProtocolError,
+    PullRequest,
+    Requeue,
+    Started,
+    TokenChunk,
+    WorkBatch,
+    WorkItem,
+    decode_cancel,
+    decode_event,
+    decode_pull,
+    decode_request,
+    encode,
+    peek_reply_fields,
+)
+from fairlane.runtime import now_ms
+from fairlane.streams import ensure_streams
+from fairlane.subjects import Subjects
+from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
+
+log = structlog.get_logger(__name__)
+
+
+def mono_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
+@dataclass(slots=True)
+class Held:
+    """A request's JetStream message, held un-acked until the request starts."""
+
+    msg: Msg
+    request: InferenceRequest
+    touched_ms: float  # last ack/in_progress/delivery, monotonic
+    settled: bool = False
+
+
+@dataclass(slots=True)
+class _Pull:
+    pull: PullRequest
+    reply: str
+    expires_ms: float
+
+
+@dataclass
+class Dispatcher:
+    settings: DispatcherSettings
+    scheduler_config: SchedulerConfig | None = None
+    nc: nats.NATS | None = None
+    subjects: Subjects = field(init=False)
+    scheduler: Scheduler = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.subjects = Subjects(s.prefix)
+        cfg = self.scheduler_config or SchedulerConfig(policy=s.policy or "drr")
+        if s.policy:
+            cfg.policy = s.policy
+        try:
+            self.scheduler = Scheduler(cfg)
+        except ValueError:
+            # Policy not available in this build: fall back to fifo, loudly.
+            log.error("policy_unavailable", policy=cfg.policy, fallback="fifo")
+            cfg.policy = "fifo"
+            self.scheduler = Scheduler(cfg)
+        self.limits = RequestLimits(max_tokens=s.max_tokens, max_prompt_chars=s.max_prompt_chars)
+        self.workers = WorkerRegistry(s.worker_timeout_ms)
+        self._held: dict[str, Held] = {}
+        # Held messages in the order they were last touched: the keep-alive pass only
+        # looks at the oldest few, so holding 100k messages costs next to nothing.
+        self._touch_order: deque[tuple[float, str]] = deque()
+        self._pulls: deque[_Pull] = deque()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._subs: list = []
+        self._stopping = False
+        self.ready = asyncio.Event()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        if self.nc is None:
+            self.nc = await nats.connect(
+                s.nats_url, name=f"fairlane-dispatcher-{s.pool}", max_reconnect_attempts=-1
+            )
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js, self.subjects)
+        for tier in self.scheduler.config.tiers:
+            sub = await self._consumer(tier.name)
+            self._tasks.append(asyncio.create_task(self._fetch_loop(tier.name, sub)))
+        self._subs.append(await self.nc.subscribe(
+            self.subjects.work(s.pool), queue="dispatchers", cb=self._on_pull))
+        self._subs.append(await self.nc.subscribe(self.subjects.events(s.pool), cb=self._on_event))
+        self._subs.append(await self.nc.subscribe(self.subjects.cancel(s.pool), cb=self._on_cancel))
+        self._tasks.append(asyncio.create_task(self._match_loop()))
+        self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
+        self.ready.set()
+        log.info("dispatcher_started", pool=s.pool, policy=self.scheduler.config.policy,
+                 tiers=[t.name for t in self.scheduler.config.tiers])
+
+    async def _consumer(self, tier: str):
+        """One durable pull consumer per tier: a free-tier backlog never blocks paid
+        fetches, because each tier's loop fetches on its own."""
+        s = self.settings
+        name = f"disp_{s.pool}_{tier}"
+        cfg = ConsumerConfig(
+            durable_name=name, name=name,
+            filter_subject=self.subjects.requests_tier(s.pool, tier),
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+            ack_wait=s.ack_wait_s, max_ack_pending=s.max_held_messages, max_deliver=-1,
+            max_waiting=16,
+        )
+        stream = self.subjects.requests_stream
+        await self.js.add_consumer(stream, config=cfg)
+        return await self.js.pull_subscribe_bind(durable=name, stream=stream)
+
+    async def stop(self) -> None:
+        """Stop fetching and answering; held messages stay un-acked for the next
+        dispatcher (they come back after ack_wait, or at once when nak'ed here)."""
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        for p in self._pulls:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(p.reply, encode(WorkBatch()))
+        # Hand queued (not dispatched) work straight back to JetStream: nak = redeliver now.
+        for req in list(self.scheduler.queued()):
+            held = self._held.get(req.request_id)
+            if held is not None:
+                await self._settle(held, "nak")
+        if self.nc is not None:
+            await self.nc.drain()
+        log.info("dispatcher_stopped")
+
+    # --- ingest ------------------------------------------------------------------------
+
+    async def _fetch_loop(self, tier: str, sub) -> None:
+        s = self.settings
+        while True:
+            # Backpressure: past the bound, leave messages in JetStream.
+            room = s.max_held_messages - len(self._held)
+            if room <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                msgs = await sub.fetch(min(s.fetch_batch, room), timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection blips: retry, never die
+                log.warning("fetch_failed", tier=tier, error=str(exc))
+                await asyncio.sleep(0.2)
+                continue
+            for msg in msgs:
+                await self._ingest(msg)
+            self._wake.set()
+
+    async def _ingest(self, msg: Msg) -> None:
+        metrics.INGESTED.inc()
+        try:
+            req = decode_request(msg.data)
+            pool, tier, tenant = Subjects.parse_request(msg.subject)
+            if (req.pool, req.tier, req.tenant) != (pool, tier, tenant):
+                raise ProtocolError(
+                    f"body says {req.pool}/{req.tier}/{req.tenant} but subject is {msg.subject}",
+                    ErrorCode.INVALID_REQUEST,
+                )
+            check_request(req, self.limits)
+        except ProtocolError as exc:
+            rid, reply = peek_reply_fields(msg.data)
+            log.warning("request_refused", subject=msg.subject, request_id=rid,
+                        code=exc.code.value, error=exc.message)
+            metrics.REJECTED.labels(reason=exc.code.value).inc()
+            if reply:
+                await self._send_error(reply, rid or "", ErrorInfo.of(exc.code, exc.message))
+            await _term(msg)
+            return
+
+        known = self._held.get(req.request_id)
+        if known is not None or self.scheduler.is_known(req.request_id):
+            # A redelivery of a request we already hold: keep the newest handle.
+            if known is not None:
+                known.msg, known.touched_ms = msg, mono_ms()
+                self._touch_order.append((known.touched_ms, req.request_id))
+            return
+
+        now = mono_ms()
+        deadline = None
+        if req.deadline_ms is not None:
+            deadline = now + (req.deadline_ms - now_ms())
+        q = QueuedRequest(
+            request_id=req.request_id, tenant=req.tenant, tier=req.tier,
+            prompt_tokens=estimate_prompt_tokens(req), max_output_tokens=req.max_tokens,
+            expected_output_tokens=req.expected_output_tokens or req.max_tokens,
+            priority=req.priority, arrival_ms=now, deadline_ms=deadline,
+            ttft_budget_ms=req.ttft_budget_ms,
+        )
+        held = Held(msg, req, now)
+        q.payload = held
+        verdict = self.scheduler.submit(q, now)
+        if verdict.verdict is Verdict.REJECTED:
+            assert verdict.code is not None
+            metrics.REJECTED.labels(reason=verdict.code.value).inc()
+            log.info("request_rejected", request_id=req.request_id, tenant=req.tenant,
+                     code=verdict.code.value, reason=verdict.message)
+            await self._send_error(req.reply_to, req.request_id,
+                                   ErrorInfo.of(verdict.code, verdict.message, verdict.retry_after_ms))
+            await _term(msg)
+            return
+        self._held[req.request_id] = held
+        self._touch_order.append((now, req.request_id))
+
+    # --- pulls: matching queued work to workers with room ------------------------------
+
+    async def _on_pull(self, msg: Msg) -> None:
+        try:
+            pull = decode_pull(msg.data)
+        except ProtocolError as exc:
+            log.warning("bad_pull", error=exc.message)
+            if msg.reply:
+                await self.nc.publish(msg.reply, encode(WorkBatch()))
+            return
+        now = mono_ms()
+        w = self.workers.seen(pull.worker_id, now)
+        w.kv_tokens_total = max(w.kv_tokens_total, pull.free_kv_tokens)
+        self._pulls.append(_Pull(pull, msg.reply, now + pull.wait_ms))
+        self._wake.set()
+
+    async def _match_loop(self) -> None:
+        """Serve waiting pulls in arrival order whenever work or a pull arrives."""
+        while True:
+            timeout = None
+            if self._pulls:
+                timeout = max(0.0, min(p.expires_ms for p in self._pulls) - mono_ms()) / 1000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            await self._serve_pulls()
+
+    async def _serve_pulls(self) -> None:
+        now = mono_ms()
+        pending: deque[_Pull] = deque()
+        while self._pulls:
+            p = self._pulls.popleft()
+            if p.pull.worker_id not in self.workers.workers:
+                continue  # declared dead since it asked
+            batch = self._select_for(p.pull, now) if self.scheduler.num_queued else []
+            if batch or now >= p.expires_ms:
+                await self.nc.publish(p.reply, encode(WorkBatch(items=batch)))
+            else:
+                pending.append(p)
+        self._pulls = pending
+
+    def _select_for(self, pull: PullRequest, now: float) -> list[WorkItem]:
+        free_kv = pull.free_kv_tokens if pull.free_kv_tokens > 0 else None
+        items: list[WorkItem] = []
+        epoch = now_ms()
+        for d in self.scheduler.select(pull.max_items, now, free_kv):
+            held: Held = d.request.payload
+            queue_ms = int(now - d.request.arrival_ms)
+            metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
+            metrics.DISPATCHED_COST.labels(tenant=d.request.tenant, tier=d.request.tier).inc(d.cost)
+            self.workers.assign(d.request.request_id, pull.worker_id, now)
+            items.append(WorkItem(
+                request=held.request, engine_priority=d.engine_priority,
+                dispatched_ms=epoch, queue_ms=queue_ms, cache_salt=held.request.tenant,
+            ))
+        return items
+
+    # --- events from workers -----------------------------------------------------------
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            ev = decode_event(msg.data)
+        except ProtocolError as exc:
+            log.warning("bad_event", error=exc.message)
+            return
+        now = mono_ms()
+        if isinstance(ev, Heartbeat):
+            await self._on_heartbeat(ev, now)
+        elif isinstance(ev, Started):
+            self.workers.seen(ev.worker_id, now)
+            if self.scheduler.on_started(ev.request_id, now):
+                held = self._held.get(ev.request_id)
+                if held is not None:
+                    await self._settle(held, "ack")
+        elif isinstance(ev, Finished):
+            self.workers.seen(ev.worker_id, now)
+            await self._finish(ev.request_id, ev, now)
+        elif isinstance(ev, Requeue):
+            self.workers.unassign(ev.request_id)
+            if self.scheduler.requeue(ev.request_id, now):
+                log.info("request_requeued", request_id=ev.request_id, worker_id=ev.worker_id,
+                         reason=ev.reason)
+                self._wake.set()
+
+    async def _finish(self, request_id: str, ev: Finished | None, now: float) -> None:
+        self.workers.unassign(request_id)
+        usage = None
+        if ev is not None and ev.usage is not None:
+            u = ev.usage
+            usage = ActualUsage(u.prompt_tokens, u.completion_tokens, u.kv_token_seconds, u.e2e_ms)
+        self.scheduler.on_finished(request_id, usage, now)
+        held = self._held.get(request_id)
+        if held is not None:
+            # Finished without Started: it failed before its first token (e.g. prompt
+            # too long) and the client has its error. Done either way: never replay.
+            await self._settle(held, "ack")
+
+    async def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
+        w = self.workers.seen(hb.worker_id, now)
+        w.num_running, w.num_waiting = hb.load.num_running, hb.load.num_waiting
+        w.kv_tokens_used, w.kv_tokens_total = hb.load.kv_tokens_used, hb.load.kv_tokens_total
+        missing = self.workers.heartbeat(hb.worker_id, hb.in_flight_ids, now,
+                                         hb.interval_ms, hb.draining)
+        for rid in missing:
+            # Reconciliation: the worker does not have it. Either its WorkBatch reply
+            # was lost (never started: requeue) or its Finished was (release quota).
+            if self.scheduler.is_started(rid):
+                log.warning("reconciled_finished", request_id=rid, worker_id=hb.worker_id)
+                await self._finish(rid, None, now)
+            else:
+                self.workers.unassign(rid)
+                if self.scheduler.requeue(rid, now):
+                    log.warning("reconciled_requeue", request_id=rid, worker_id=hb.worker_id)
+                    self._wake.set()
+
+    # --- cancel ------------------------------------------------------------------------
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = decode_cancel(msg.data)
+        except ProtocolError as exc:
+            log.warning("bad_cancel", error=exc.message)
+            return
+        req = self.scheduler.cancel(cancel.request_id)
+        if req is None:
+            return  # running (the worker aborts it) or unknown
+        held = self._held.get(cancel.request_id)
+        log.info("request_cancelled", request_id=cancel.request_id, reason=cancel.reason)
+        if held is not None:
+            await self._send_error(held.request.reply_to, cancel.request_id,
+                                   ErrorInfo.of(ErrorCode.CANCELLED, f"cancelled: {cancel.reason}"))
+            await self._settle(held, "term")
+
+    # --- housekeeping ------------------------------------------------------------------
+
+    async def _housekeeping_loop(self) -> None:
+        period_s = self.settings.housekeeping_ms / 1000
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self._housekeeping(mono_ms())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("housekeeping_failed")
+
+    async def _housekeeping(self, now: float) -> None:
+        for dropped in self.scheduler.expire(now):
+            held = self._held.get(dropped.request.request_id)
+            metrics.REJECTED.labels(reason=dropped.code.value).inc()
+            if held is not None:
+                await self._send_error(held.request.reply_to, dropped.request.request_id,
+                                       ErrorInfo.of(dropped.code, dropped.message,
+                                                    dropped.retry_after_ms))
+                await self._settle(held, "term")
+        for w in self.workers.dead_workers(now):
+            await self._worker_lost(w.worker_id, w.request_ids, now)
+        await self._keep_alive(now)
+        metrics.observe_scheduler(self.scheduler)
+
+    async def _worker_lost(self, worker_id: str, request_ids: set[str], now: float) -> None:
+        log.warning("worker_lost", worker_id=worker_id, num_requests=len(request_ids))
+        requeued = 0
+        for rid in request_ids:
+            if self.scheduler.requeue(rid, now):
+                requeued += 1
+                continue
+            req = self.scheduler.in_flight_request(rid)
+            self.scheduler.on_finished(rid, None, now)
+            if req is not None:
+                held: Held = req.payload
+                await self._send_error(
+                    held.request.reply_to, rid,
+                    ErrorInfo.of(ErrorCode.WORKER_LOST,
+                                 f"worker {worker_id} stopped responding; retry the request"),
+                )
+                await self._settle(held, "ack")
+        if requeued:
+            self._wake.set()
+
+    async def _keep_alive(self, now: float) -> None:
+        """Touch held messages before ack_wait runs out, oldest first, only as needed."""
+        horizon = now - self.settings.ack_wait_s * 1000 / 2
+        while self._touch_order and self._touch_order[0][0] <= horizon:
+            touched, rid = self._touch_order.popleft()
+            held = self._held.get(rid)
+            if held is None or held.settled or held.touched_ms != touched:
+                continue  # settled, or touched again since (a newer entry exists)
+            with contextlib.suppress(Exception):
+                await held.msg.in_progress()
+            held.touched_ms = now
+            self._touch_order.append((now, rid))
+
+    # --- the one place acks are decided ------------------------------------------------
+
+    async def _settle(self, held: Held, action: str) -> None:
+        """ack: started or finished (never replay). term: refused, expired, cancelled.
+        nak: hand back to JetStream for redelivery (shutdown)."""
+        if held.settled:
+            return
+        held.settled = True
+        self._held.pop(held.request.request_id, None)
+        try:
+            if action == "ack":
+                await held.msg.ack()
+            elif action == "term":
+                await held.msg.term()
+            else:
+                await held.msg.nak()
+        except Exception as exc:
+            log.warning("settle_failed", request_id=held.request.request_id, action=action,
+                        error=str(exc))
+
+    async def _send_error(self, reply_to: str, request_id: str, error: ErrorInfo) -> None:
+        chunk = TokenChunk(request_id=request_id, seq=0, error=error)
+        try:
+            await self.nc.publish(reply_to, encode(chunk))
+        except Exception as exc:  # a bad reply subject must not stop the dispatcher
+            log.warning("error_reply_failed", request_id=request_id, reply_to=reply_to,
+                        error=str(exc))
+
+
+async def _term(msg: Msg) -> None:
+    with contextlib.suppress(Exception):
+        await msg.term()

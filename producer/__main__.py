@@ -1,0 +1,131 @@
+"""`python -m producer`: stream one request to the terminal, or generate load.
+
+    python -m producer --tenant acme --prompt "hi" --max-tokens 64
+    python -m producer --tenant acme --count 200 --concurrency 16
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from fairlane.logs import configure_logging
+from fairlane.runtime import now_ms, run
+from fairlane.settings import load_settings
+from producer.client import FairlaneClient, RequestError
+from producer.config import ProducerSettings
+
+
+def _submit_kwargs(s: ProducerSettings) -> dict:
+    return dict(
+        tenant=s.tenant, pool=s.pool, tier=s.tier, prompt=s.prompt, max_tokens=s.max_tokens,
+        temperature=s.temperature, priority=s.priority, seed=s.seed,
+        ttft_budget_ms=s.ttft_budget_ms,
+        deadline_ms=now_ms() + int(s.deadline_s * 1000) if s.deadline_s else None,
+    )
+
+
+async def stream_one(client: FairlaneClient, s: ProducerSettings) -> int:
+    try:
+        stream = await client.submit(**_submit_kwargs(s))
+        async for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if chunk.finish_reason is not None:
+                u = chunk.usage
+                sys.stdout.write("\n")
+                if u is not None:
+                    print(f"[finish={chunk.finish_reason} prompt_tokens={u.prompt_tokens} "
+                          f"completion_tokens={u.completion_tokens} ttft_ms={u.ttft_ms:.1f} "
+                          f"queue_ms={u.queue_ms}]", file=sys.stderr)
+    except RequestError as exc:
+        print(f"\nerror: {exc.error.code.value}: {exc.error.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+
+
+async def load(client: FairlaneClient, s: ProducerSettings) -> int:
+    ttft_ms: list[float] = []
+    e2e_ms: list[float] = []
+    errors: dict[str, int] = {}
+    done = 0
+    num_tokens = 0
+    sem = asyncio.Semaphore(s.concurrency)
+    t0 = time.perf_counter()
+
+    async def one() -> None:
+        nonlocal done, num_tokens
+        async with sem:
+            start = time.perf_counter()
+            try:
+                stream = await client.submit(**_submit_kwargs(s))
+                first = None
+                async with asyncio.timeout(s.timeout_s):
+                    async for chunk in stream:
+                        if first is None:
+                            first = time.perf_counter()
+                        num_tokens += chunk.num_tokens
+                ttft_ms.append((first - start) * 1000)
+                e2e_ms.append((time.perf_counter() - start) * 1000)
+            except RequestError as exc:
+                errors[exc.error.code.value] = errors.get(exc.error.code.value, 0) + 1
+            except TimeoutError:
+                errors["timeout"] = errors.get("timeout", 0) + 1
+            done += 1
+            if sys.stderr.isatty() or done % max(1, s.count // 20) == 0 or done == s.count:
+                width = 30
+                filled = int(width * done / s.count)
+                sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{s.count}")
+                sys.stderr.flush()
+
+    await asyncio.gather(*(one() for _ in range(s.count)))
+    elapsed = time.perf_counter() - t0
+    sys.stderr.write("\n")
+    summary = {
+        "requests": s.count, "ok": len(e2e_ms), "errors": errors,
+        "elapsed_s": round(elapsed, 3), "req_per_s": round(len(e2e_ms) / elapsed, 2),
+        "tokens_per_s": round(num_tokens / elapsed, 1),
+        "ttft_ms_p50": round(_pct(ttft_ms, 50), 2), "ttft_ms_p99": round(_pct(ttft_ms, 99), 2),
+        "e2e_ms_p50": round(_pct(e2e_ms, 50), 2), "e2e_ms_p99": round(_pct(e2e_ms, 99), 2),
+    }
+    if s.json_summary:
+        print(json.dumps(summary))
+    else:
+        for k, v in summary.items():
+            print(f"{k:>14}: {v}")
+    return 0 if not errors else 1
+
+
+async def amain(s: ProducerSettings, stop: asyncio.Event) -> int:
+    client = await FairlaneClient.connect(s.nats_url, prefix=s.prefix)
+    try:
+        work = asyncio.ensure_future(stream_one(client, s) if s.count <= 1 else load(client, s))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            return 130
+        stopper.cancel()
+        return work.result()
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = load_settings(ProducerSettings, argv, prog="producer",
+                      description="submit requests to a fairlane fleet")
+    configure_logging(s.log_level, json=False)
+    return run(lambda stop: amain(s, stop))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
