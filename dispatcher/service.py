@@ -50,7 +50,7 @@ from fairlane.protocol import (
 )
 from fairlane.runtime import now_ms
 from fairlane.streams import ensure_streams
-from fairlane.subjects import Subjects
+from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -209,6 +209,13 @@ class Dispatcher:
             check_request(req, self.limits)
         except ProtocolError as exc:
             rid, reply = peek_reply_fields(msg.data)
+            if reply is None and msg.headers:
+                reply = msg.headers.get(REPLY_HEADER)
+            if reply is not None:
+                try:
+                    check_reply_subject(reply)
+                except ProtocolError:
+                    reply = None
             log.warning("request_refused", subject=msg.subject, request_id=rid,
                         code=exc.code.value, error=exc.message)
             metrics.REJECTED.labels(reason=exc.code.value).inc()
@@ -283,10 +290,9 @@ class Dispatcher:
         pending: deque[_Pull] = deque()
         while self._pulls:
             p = self._pulls.popleft()
-            if p.pull.worker_id not in self.workers.workers:
-                continue  # declared dead since it asked
-            batch = self._select_for(p.pull, now) if self.scheduler.num_queued else []
-            if batch or now >= p.expires_ms:
+            alive = p.pull.worker_id in self.workers.workers  # not declared dead since
+            batch = self._select_for(p.pull, now) if alive and self.scheduler.num_queued else []
+            if batch or now >= p.expires_ms or not alive:
                 await self.nc.publish(p.reply, encode(WorkBatch(items=batch)))
             else:
                 pending.append(p)

@@ -37,7 +37,7 @@ from fairlane.protocol import (
 )
 from fairlane.runtime import now_ms
 from fairlane.streams import ensure_streams
-from fairlane.subjects import Subjects
+from fairlane.subjects import REPLY_HEADER, Subjects
 from fairlane.validation import RequestLimits, check_request
 
 log = structlog.get_logger(__name__)
@@ -302,7 +302,11 @@ class FairlaneClient:
                                asyncio.Queue(maxsize=self.max_buffered_chunks))
         self._streams[req.request_id] = stream
         try:
-            await self.js.publish(subject, encode(req), headers={"Nats-Msg-Id": req.request_id})
+            await self.js.publish(subject, encode(req), headers={
+                "Nats-Msg-Id": req.request_id,
+                # Lets the dispatcher answer even if the body arrives unreadable.
+                REPLY_HEADER: req.reply_to,
+            })
         except APIError as exc:
             self._forget(req.request_id)
             raise RequestError(_publish_error(exc)) from None

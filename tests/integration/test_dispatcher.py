@@ -1,0 +1,258 @@
+"""The dispatcher shell over a real nats-server, driven by a scripted worker peer.
+
+The peer speaks the real wire protocol (pulls, events, chunks) so each test can place
+a worker's death exactly before or after the first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from dispatcher.config import DispatcherSettings
+from dispatcher.scheduler.config import SchedulerConfig
+from dispatcher.service import Dispatcher
+from fairlane.protocol import (
+    ErrorCode,
+    Finished,
+    Heartbeat,
+    InferenceRequest,
+    PullRequest,
+    Started,
+    TokenChunk,
+    Usage,
+    WorkItem,
+    decode_chunk,
+    decode_work_batch,
+    encode,
+)
+from fairlane.subjects import REPLY_HEADER, Subjects
+from producer.client import FairlaneClient, RequestError
+from tests.helpers import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+class ScriptedWorker:
+    def __init__(self, nc, subjects: Subjects, pool: str, worker_id: str) -> None:
+        self.nc, self.subjects, self.pool, self.worker_id = nc, subjects, pool, worker_id
+        self.seqs: dict[str, int] = {}
+        self.in_flight: set[str] = set()
+        self._beat: asyncio.Task | None = None
+
+    async def start(self) -> ScriptedWorker:
+        """Heartbeat every 100 ms in the background, as a real worker does."""
+        await self.heartbeat()
+
+        async def beat() -> None:
+            while not self.nc.is_closed:
+                await asyncio.sleep(0.1)
+                await self.heartbeat()
+
+        self._beat = asyncio.create_task(beat())
+        return self
+
+    def die(self) -> None:
+        """Go silent, like a worker killed with SIGKILL."""
+        if self._beat:
+            self._beat.cancel()
+
+    async def pull(self, max_items: int = 8, wait_ms: int = 2000) -> list[WorkItem]:
+        pull = PullRequest(worker_id=self.worker_id, pool=self.pool, max_items=max_items,
+                           wait_ms=wait_ms)
+        reply = await self.nc.request(self.subjects.work(self.pool), encode(pull),
+                                      timeout=wait_ms / 1000 + 2)
+        items = decode_work_batch(reply.data).items
+        self.in_flight.update(i.request.request_id for i in items)
+        return items
+
+    async def event(self, ev) -> None:
+        await self.nc.publish(self.subjects.events(self.pool), encode(ev))
+
+    async def heartbeat(self, interval_ms: int = 100) -> None:
+        await self.event(Heartbeat(worker_id=self.worker_id, pool=self.pool,
+                                   in_flight_ids=sorted(self.in_flight), interval_ms=interval_ms))
+
+    async def token(self, item: WorkItem, text: str, finish: str | None = None) -> None:
+        rid = item.request.request_id
+        seq = self.seqs.get(rid, 0)
+        self.seqs[rid] = seq + 1
+        if seq == 0:
+            await self.event(Started(request_id=rid, worker_id=self.worker_id))
+        usage = None
+        if finish:
+            usage = Usage(request_id=rid, tenant=item.request.tenant, pool=self.pool,
+                          tier=item.request.tier, completion_tokens=seq + 1)
+        await self.nc.publish(item.request.reply_to, encode(TokenChunk(
+            request_id=rid, seq=seq, text=text, num_tokens=1, finish_reason=finish, usage=usage)))
+        if finish:
+            self.in_flight.discard(rid)
+            await self.event(Finished(request_id=rid, worker_id=self.worker_id, usage=usage))
+
+
+@pytest.fixture
+async def env(nats_server, nc, uid):
+    subjects = Subjects(f"t{uid}")
+    settings = DispatcherSettings(
+        nats_url=nats_server.url, prefix=subjects.prefix, pool="p", worker_timeout_ms=600,
+        housekeeping_ms=50, max_tokens=512, ack_wait_s=5,
+    )
+    dispatcher = Dispatcher(settings, SchedulerConfig(policy="fifo"))
+    await dispatcher.start()
+    client = FairlaneClient(nc, prefix=subjects.prefix)
+    await client.start()
+    yield dispatcher, client, subjects
+    for task in asyncio.all_tasks():
+        if task.get_coro().__qualname__.startswith("ScriptedWorker"):
+            task.cancel()
+    await client.close()
+    await dispatcher.stop()
+
+
+async def _stream_len(js, subjects: Subjects) -> int:
+    return (await js.stream_info(subjects.requests_stream)).state.messages
+
+
+async def test_dispatch_ack_on_started_and_finish(env, nc):
+    dispatcher, client, subjects = env
+    w = ScriptedWorker(nc, subjects, "p", "w1")
+    await w.start()
+    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=3)
+    items = await w.pull()
+    assert [i.request.request_id for i in items] == [stream.request_id]
+    js = nc.jetstream()
+    assert await _stream_len(js, subjects) == 1  # held un-acked while not started
+    await w.token(items[0], "a")
+    await w.token(items[0], "b")
+    await w.token(items[0], "c", finish="stop")
+    done = await stream.collect()
+    assert done.text == "abc" and done.finish_reason == "stop"
+    await wait_until(lambda: dispatcher.scheduler.num_in_flight == 0)
+    assert await _stream_len(js, subjects) == 0  # acked on Started: never replayed
+
+
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        (b"\x00not json at all", ErrorCode.MALFORMED),
+        (None, ErrorCode.MALFORMED),  # invalid tenant id in the body
+        ({"max_tokens": 0}, ErrorCode.INVALID_REQUEST),
+        ({"max_tokens": 100_000}, ErrorCode.INVALID_REQUEST),
+        ({"prompt": "   "}, ErrorCode.INVALID_REQUEST),
+        ({"tenant": "other"}, ErrorCode.INVALID_REQUEST),  # body/subject mismatch
+    ],
+)
+async def test_bad_input_gets_clear_error_and_dispatcher_keeps_serving(env, nc, body, code):
+    dispatcher, client, subjects = env
+    js = nc.jetstream()
+    rid = uuid.uuid4().hex
+    reply = f"{client.inbox}.{rid}"
+    fields = dict(request_id=rid, tenant="acme", pool="p", tier="standard",
+                  reply_to=reply, prompt="hi", max_tokens=8)
+    if isinstance(body, dict):
+        data = encode(InferenceRequest(**{**fields, **body}))
+    elif body is None:
+        data = encode(InferenceRequest(**fields)).replace(b'"acme"', b'"bad tenant!"')
+    else:
+        data = body
+    sub = await nc.subscribe(reply)
+    await js.publish(subjects.request("p", "standard", "acme"), data,
+                     headers={"Nats-Msg-Id": rid, REPLY_HEADER: reply})
+    msg = await sub.next_msg(timeout=5)
+    chunk = decode_chunk(msg.data)
+    assert chunk.error is not None and chunk.error.code == code
+    assert chunk.error.message
+    # The refused message is gone (terminated), and a good request is still served.
+    w = ScriptedWorker(nc, subjects, "p", "w-ok")
+    await w.start()
+    good = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=1)
+    items = await w.pull()
+    assert [i.request.request_id for i in items] == [good.request_id]
+    await w.token(items[0], "x", finish="stop")
+    assert (await good.collect()).text == "x"
+    assert await _stream_len(js, subjects) == 0
+
+
+async def test_duplicate_request_id_is_generated_once(env, nc):
+    dispatcher, client, subjects = env
+    js = nc.jetstream()
+    rid = uuid.uuid4().hex
+    req = InferenceRequest(request_id=rid, tenant="acme", pool="p", tier="standard",
+                           reply_to=f"{client.inbox}.{rid}", prompt="hi", max_tokens=4)
+    acks = [await js.publish(subjects.request("p", "standard", "acme"), encode(req),
+                             headers={"Nats-Msg-Id": rid}) for _ in range(2)]
+    assert acks[1].duplicate
+    w = ScriptedWorker(nc, subjects, "p", "w1")
+    await w.start()
+    items = await w.pull()
+    assert [i.request.request_id for i in items] == [rid]
+    assert await w.pull(wait_ms=300) == []
+
+
+async def test_worker_dies_before_first_token_request_goes_to_another(env, nc):
+    dispatcher, client, subjects = env
+    dead = ScriptedWorker(nc, subjects, "p", "w-dead")
+    await dead.start()
+    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=1)
+    items = await dead.pull()
+    assert len(items) == 1
+    dead.die()
+    # A live worker asks and, once the death is noticed, gets the request.
+    live = await ScriptedWorker(nc, subjects, "p", "w-live").start()
+    got: list[WorkItem] = []
+    async with asyncio.timeout(10):
+        while not got:
+            got = await live.pull(wait_ms=300)
+    assert got[0].request.request_id == stream.request_id
+    await live.token(got[0], "ok", finish="stop")
+    assert (await stream.collect()).text == "ok"
+
+
+async def test_worker_dies_after_first_token_client_gets_worker_lost(env, nc):
+    dispatcher, client, subjects = env
+    w = ScriptedWorker(nc, subjects, "p", "w-dies")
+    await w.start()
+    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=5)
+    items = await w.pull()
+    await w.token(items[0], "a")
+    w.die()
+    chunks = []
+    with pytest.raises(RequestError) as err:
+        async for c in stream:
+            chunks.append(c.text)
+    assert chunks == ["a"]
+    assert err.value.error.code == ErrorCode.WORKER_LOST and err.value.error.retryable
+    await wait_until(lambda: dispatcher.scheduler.num_in_flight == 0)
+
+
+async def test_cancel_queued_request(env, nc):
+    dispatcher, client, subjects = env
+    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=5)
+    await wait_until(lambda: dispatcher.scheduler.is_queued(stream.request_id))
+    sub = await nc.subscribe(f"{client.inbox}.{stream.request_id}")
+    await stream.cancel("user")
+    chunk = decode_chunk((await sub.next_msg(timeout=5)).data)
+    assert chunk.error.code == ErrorCode.CANCELLED
+    assert not dispatcher.scheduler.is_known(stream.request_id)
+    js = nc.jetstream()
+
+    async def stream_empty() -> bool:
+        return await _stream_len(js, subjects) == 0
+
+    await wait_until(stream_empty, 5)
+
+
+async def test_expired_request_never_reaches_a_worker(env, nc):
+    dispatcher, client, subjects = env
+    from fairlane.runtime import now_ms
+
+    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=5,
+                                 deadline_ms=now_ms() + 100)
+    with pytest.raises(RequestError) as err:
+        await stream.collect()
+    assert err.value.error.code == ErrorCode.EXPIRED
+    w = ScriptedWorker(nc, subjects, "p", "w1")
+    await w.start()
+    assert await w.pull(wait_ms=200) == []
