@@ -11,6 +11,9 @@ import re
 from fairlane.protocol import ID_PATTERN, ErrorCode, ProtocolError
 
 DEFAULT_PREFIX = "fl"
+# Header carrying the reply subject beside the body, so a request whose body cannot
+# be decoded can still be answered with a clear error.
+REPLY_HEADER = "Fl-Reply-To"
 
 _ID_RE = re.compile(ID_PATTERN)
 # A reply subject: dot-separated tokens, no wildcards or whitespace.
