@@ -115,6 +115,15 @@ async def _stream_len(js, subjects: Subjects) -> int:
     return (await js.stream_info(subjects.requests_stream)).state.messages
 
 
+async def _stream_drained(js, subjects: Subjects) -> None:
+    """Acks and terms are fire-and-forget publishes: wait for the server to apply them."""
+
+    async def empty() -> bool:
+        return await _stream_len(js, subjects) == 0
+
+    await wait_until(empty, 5)
+
+
 async def test_dispatch_ack_on_started_and_finish(env, nc):
     dispatcher, client, subjects = env
     w = ScriptedWorker(nc, subjects, "p", "w1")
@@ -130,7 +139,7 @@ async def test_dispatch_ack_on_started_and_finish(env, nc):
     done = await stream.collect()
     assert done.text == "abc" and done.finish_reason == "stop"
     await wait_until(lambda: dispatcher.scheduler.num_in_flight == 0)
-    assert await _stream_len(js, subjects) == 0  # acked on Started: never replayed
+    await _stream_drained(js, subjects)  # acked on Started: never replayed
 
 
 @pytest.mark.parametrize(
@@ -172,7 +181,7 @@ async def test_bad_input_gets_clear_error_and_dispatcher_keeps_serving(env, nc, 
     assert [i.request.request_id for i in items] == [good.request_id]
     await w.token(items[0], "x", finish="stop")
     assert (await good.collect()).text == "x"
-    assert await _stream_len(js, subjects) == 0
+    await _stream_drained(js, subjects)
 
 
 async def test_duplicate_request_id_is_generated_once(env, nc):
@@ -236,12 +245,7 @@ async def test_cancel_queued_request(env, nc):
     chunk = decode_chunk((await sub.next_msg(timeout=5)).data)
     assert chunk.error.code == ErrorCode.CANCELLED
     assert not dispatcher.scheduler.is_known(stream.request_id)
-    js = nc.jetstream()
-
-    async def stream_empty() -> bool:
-        return await _stream_len(js, subjects) == 0
-
-    await wait_until(stream_empty, 5)
+    await _stream_drained(nc.jetstream(), subjects)
 
 
 async def test_expired_request_never_reaches_a_worker(env, nc):
