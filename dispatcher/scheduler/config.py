@@ -37,14 +37,27 @@ class SchedulerConfig:
     allow_unknown_tenants: bool = True
     default_tenant: TenantConfig = field(default_factory=lambda: TenantConfig("_default"))
     max_queued_total: int = 1_000_000
+    # Cost models (`dispatcher.scheduler.cost`).
+    prompt_token_weight: float = 1.0  # w_p of the `tokens` model
+    output_token_weight: float = 2.0  # w_q of the `tokens` model (as in VTC)
+    kv_step_ms: float = 30.0  # the pool's decode step time, for `kv_seconds` estimates
+    kv_prefill_ms_per_token: float = 0.1  # prefill time per prompt token, same purpose
+    # Tier floors are measured over this (exponentially decayed) window of dispatched cost.
+    share_window_ms: float = 10_000.0
+    # Throttling: the service rate is measured over this sliding window; 0 disables it.
+    throttle_window_ms: float = 10_000.0
+    _unknown: dict[str, TenantConfig] = field(default_factory=dict, repr=False, compare=False)
 
     def tenant(self, name: str) -> TenantConfig | None:
         cfg = self.tenants.get(name)
         if cfg is None and self.allow_unknown_tenants:
-            d = self.default_tenant
-            return TenantConfig(
-                name, d.tier, d.weight, d.max_concurrent, d.max_kv_tokens, d.max_queued
-            )
+            # Cached: this runs on every quota check, so don't allocate each time.
+            cfg = self._unknown.get(name)
+            if cfg is None:
+                d = self.default_tenant
+                cfg = self._unknown[name] = TenantConfig(
+                    name, d.tier, d.weight, d.max_concurrent, d.max_kv_tokens, d.max_queued
+                )
         return cfg
 
     def tier(self, name: str) -> TierConfig | None:

@@ -1,18 +1,31 @@
 """The pure scheduler core: synchronous, no I/O, no clock reads (time is passed in).
 
 The dispatcher shell calls it; tests, the simulator and benchmarks drive it directly.
-This module owns the bookkeeping every policy shares (what is queued, what is in
-flight, per-tenant quotas); *which* request goes next is the policy's job
-(`dispatcher.scheduler.policies`).
+Stages, in fixed order (DESIGN.md section 5):
+
+1. admission (`submit`): tenant known, per-tenant queue cap, total cap, throttling on
+   the predicted wait (`dispatcher.scheduler.throttle`);
+2. tier selector (`dispatcher.scheduler.tiers`): floors, then rank with aging;
+3. the policy across the tier's tenants (`drr`, `vtc`, or `fifo`);
+4. within a tenant, its heap (`dispatcher.scheduler.tenant_queue`).
+
+This module owns the bookkeeping every policy shares: what is queued, what is in
+flight, per-tenant quotas, deadlines, shedding, and the counters metrics read.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dispatcher.scheduler.config import SchedulerConfig, TenantConfig
+from dispatcher.scheduler.cost import make_cost_model
 from dispatcher.scheduler.policies import Policy, make_policy
+from dispatcher.scheduler.throttle import RateMeter, predict_wait_ms, retry_after_ms
+from dispatcher.scheduler.tiers import TierSelector
 from dispatcher.scheduler.types import (
     ACCEPTED,
     DUPLICATE,
@@ -25,6 +38,8 @@ from dispatcher.scheduler.types import (
 )
 from fairlane.protocol import ErrorCode
 
+_DEFAULT_RETRY_MS = 1_000
+
 
 @dataclass(slots=True)
 class TenantLoad:
@@ -33,25 +48,40 @@ class TenantLoad:
     num_queued: int = 0
     num_in_flight: int = 0
     kv_tokens_in_flight: int = 0
-    dispatched_cost: float = 0.0
+    dispatched_cost: float = 0.0  # cumulative, trued up to actual usage
+    queued_cost: float = 0.0  # estimated cost of the requests waiting
 
 
 @dataclass(slots=True)
 class _InFlight:
     request: QueuedRequest
+    tier_index: int
     started: bool = False
 
 
 class Scheduler:
-    """Queue + in-flight bookkeeping around a selection `Policy`."""
+    """Queue + in-flight bookkeeping around a tier selector and a selection `Policy`."""
 
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
         self.config = config
         self.policy = policy or make_policy(config)
+        self.cost_model = getattr(self.policy, "cost_model", None) or make_cost_model(config)
+        self.tiers = TierSelector(config)
+        self.rate = RateMeter(config.throttle_window_ms) if config.throttle_window_ms > 0 else None
         self._queued: dict[str, QueuedRequest] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._loads: dict[str, TenantLoad] = {}
         self._next_seq = 0
+        # Throttling's fair-share inputs: per (tier, tenant) queued counts, and per tier
+        # the total weight of its backlogged tenants. Both O(1) to maintain.
+        self._tt_queued: dict[tuple[int, str], int] = {}
+        self._tier_weight: dict[int, float] = {}
+        self._deadlines: list[tuple[float, int, QueuedRequest]] = []
+        self._deadline_seq = itertools.count()
+        # Metrics.
+        self.rejections: Counter[ErrorCode] = Counter()  # by reason, at admission
+        self.drops: Counter[ErrorCode] = Counter()  # queued work removed (expired, shed)
+        self.num_dispatched = 0
 
     # --- queries -----------------------------------------------------------------------
 
@@ -80,8 +110,43 @@ class Scheduler:
         f = self._in_flight.get(request_id)
         return f.request if f else None
 
+    def in_flight_ids(self) -> Iterable[str]:
+        return self._in_flight.keys()
+
     def tenant_loads(self) -> dict[str, TenantLoad]:
         return self._loads
+
+    def tenant_config(self, tenant: str) -> TenantConfig | None:
+        return self.config.tenant(tenant)
+
+    def tier_shares(self, now_ms: float) -> dict[str, float]:
+        """Each tier's share of recently dispatched cost (what floors are held to)."""
+        return self.tiers.shares(now_ms)
+
+    def tier_dispatched_cost(self) -> dict[str, float]:
+        return {t.name: self.tiers.dispatched_cost[i] for i, t in enumerate(self.tiers.tiers)}
+
+    def tier_queue_depths(self) -> dict[str, int]:
+        return {t.name: self.tiers.num_queued[i] for i, t in enumerate(self.tiers.tiers)}
+
+    def service_rate_per_ms(self, now_ms: float) -> float | None:
+        """Measured dispatched cost per ms over the throttle window (None: unmeasured)."""
+        return self.rate.rate_per_ms(now_ms) if self.rate else None
+
+    def predicted_wait_ms(self, tenant: str, tier: str, now_ms: float) -> float | None:
+        """How long a new request of `tenant` would wait now (None: unknown)."""
+        i = self.tiers.index(tier)
+        tcfg = self.config.tenant(tenant)
+        weight = tcfg.weight if tcfg else 1.0
+        load = self._loads.get(tenant)
+        backlogged = self._tt_queued.get((i, tenant), 0) > 0
+        return predict_wait_ms(
+            rate_per_ms=self.service_rate_per_ms(now_ms),
+            tenant_queued_cost=load.queued_cost if load else 0.0,
+            weight=weight,
+            tier_weight=self._tier_weight.get(i, 0.0) + (0.0 if backlogged else weight),
+            ahead_cost=sum(self.tiers.queued_cost[: i + 1]),
+        )
 
     def _load(self, tenant: str) -> TenantLoad:
         load = self._loads.get(tenant)
@@ -91,29 +156,87 @@ class Scheduler:
 
     # --- admission ---------------------------------------------------------------------
 
+    def _reject(self, code: ErrorCode, message: str, retry_ms: int | None = None) -> Admission:
+        self.rejections[code] += 1
+        return Admission(Verdict.REJECTED, code, message, retry_after_ms=retry_ms)
+
     def submit(self, req: QueuedRequest, now_ms: float) -> Admission:
         """Admit `req` to its tenant's queue, or say why not."""
         if self.is_known(req.request_id):
             return DUPLICATE
         tcfg = self.config.tenant(req.tenant)
         if tcfg is None:
-            return Admission(Verdict.REJECTED, ErrorCode.UNKNOWN_TENANT,
-                             f"unknown tenant {req.tenant!r}")
+            return self._reject(ErrorCode.UNKNOWN_TENANT, f"unknown tenant {req.tenant!r}")
         load = self._load(req.tenant)
         if tcfg.max_queued is not None and load.num_queued >= tcfg.max_queued:
-            return Admission(Verdict.REJECTED, ErrorCode.QUEUE_FULL,
-                             f"tenant {req.tenant!r} has {load.num_queued} requests queued "
-                             f"(max_queued={tcfg.max_queued})", retry_after_ms=1_000)
+            return self._reject(
+                ErrorCode.QUEUE_FULL,
+                f"tenant {req.tenant!r} has {load.num_queued} requests queued "
+                f"(max_queued={tcfg.max_queued})", _DEFAULT_RETRY_MS)
         if len(self._queued) >= self.config.max_queued_total:
-            return Admission(Verdict.REJECTED, ErrorCode.OVERLOADED,
-                             "dispatcher queue is full", retry_after_ms=1_000)
+            return self._reject(ErrorCode.OVERLOADED, "dispatcher queue is full",
+                                self._drain_retry_ms(now_ms))
+        budget_ms = self._budget_ms(req, now_ms)
+        if budget_ms is not None and load.queued_cost > 0:
+            wait_ms = self.predicted_wait_ms(req.tenant, req.tier, now_ms)
+            if wait_ms is not None and wait_ms > budget_ms:
+                return self._reject(
+                    ErrorCode.THROTTLED,
+                    f"predicted queue wait {wait_ms:.0f} ms exceeds the request's "
+                    f"budget of {max(budget_ms, 0):.0f} ms", retry_after_ms(wait_ms - budget_ms))
         req.arrival_ms = now_ms if req.arrival_ms == 0 else req.arrival_ms
         req.seq = self._next_seq
         self._next_seq += 1
-        self._queued[req.request_id] = req
-        load.num_queued += 1
+        req.est_cost = self.cost_model.estimate(req)
+        self._enqueue(req, now_ms)
         self.policy.push(req, now_ms)
         return ACCEPTED
+
+    @staticmethod
+    def _budget_ms(req: QueuedRequest, now_ms: float) -> float | None:
+        budget = req.ttft_budget_ms
+        if req.deadline_ms is not None:
+            left = req.deadline_ms - now_ms
+            budget = left if budget is None else min(budget, left)
+        return budget
+
+    def _drain_retry_ms(self, now_ms: float) -> int:
+        rate = self.service_rate_per_ms(now_ms)
+        if rate is None:
+            return _DEFAULT_RETRY_MS
+        return retry_after_ms(sum(self.tiers.queued_cost) / rate)
+
+    def _enqueue(self, req: QueuedRequest, now_ms: float) -> None:
+        self._queued[req.request_id] = req
+        load = self._load(req.tenant)
+        load.num_queued += 1
+        load.queued_cost += req.est_cost
+        i = self.tiers.index(req.tier)
+        self.tiers.on_queued(i, req.est_cost, now_ms)
+        key = (i, req.tenant)
+        n = self._tt_queued.get(key, 0)
+        if n == 0:
+            tcfg = self.config.tenant(req.tenant)
+            self._tier_weight[i] = self._tier_weight.get(i, 0.0) + (tcfg.weight if tcfg else 1.0)
+        self._tt_queued[key] = n + 1
+        if req.deadline_ms is not None:
+            heapq.heappush(self._deadlines, (req.deadline_ms, next(self._deadline_seq), req))
+
+    def _unqueue(self, req: QueuedRequest) -> None:
+        """Bookkeeping for a request leaving the queue (already out of `_queued`)."""
+        load = self._load(req.tenant)
+        load.num_queued -= 1
+        load.queued_cost = load.queued_cost - req.est_cost if load.num_queued else 0.0
+        i = self.tiers.index(req.tier)
+        self.tiers.on_unqueued(i, req.est_cost)
+        key = (i, req.tenant)
+        n = self._tt_queued.pop(key, 1) - 1
+        if n > 0:
+            self._tt_queued[key] = n
+        else:
+            tcfg = self.config.tenant(req.tenant)
+            w = self._tier_weight.get(i, 0.0) - (tcfg.weight if tcfg else 1.0)
+            self._tier_weight[i] = max(w, 0.0)
 
     # --- selection ---------------------------------------------------------------------
 
@@ -121,7 +244,9 @@ class Scheduler:
         tcfg = self.config.tenant(tenant)
         if tcfg is None:
             return True
-        load = self._load(tenant)
+        load = self._loads.get(tenant)
+        if load is None:
+            return tcfg.max_concurrent is None or tcfg.max_concurrent > 0
         if tcfg.max_concurrent is not None and load.num_in_flight >= tcfg.max_concurrent:
             return False
         return not (
@@ -129,6 +254,15 @@ class Scheduler:
             and load.num_in_flight > 0  # one request always fits, or it would wait forever
             and load.kv_tokens_in_flight + kv_tokens > tcfg.max_kv_tokens
         )
+
+    def _pick(self, now_ms: float) -> QueuedRequest | None:
+        # Try tiers in the selector's order; a tier whose tenants are all quota-blocked
+        # yields nothing and the next one is tried (work conservation).
+        for i in self.tiers.order(now_ms):
+            req = self.policy.pop(self.tiers.tiers[i].name, self._within_quota, now_ms)
+            if req is not None:
+                return req
+        return None
 
     def select(self, max_items: int, now_ms: float, free_kv_tokens: int | None = None) -> list[Dispatch]:
         """Pick up to `max_items` requests for one pulling worker.
@@ -139,9 +273,7 @@ class Scheduler:
         out: list[Dispatch] = []
         kv_budget = free_kv_tokens
         while len(out) < max_items and self._queued:
-            req = self.policy.pop(
-                lambda tenant, kv: self._within_quota(tenant, kv), now_ms
-            )
+            req = self._pick(now_ms)
             if req is None:
                 break
             if kv_budget is not None and out and req.kv_tokens > kv_budget:
@@ -154,17 +286,22 @@ class Scheduler:
 
     def _dispatch(self, req: QueuedRequest, now_ms: float) -> Dispatch:
         del self._queued[req.request_id]
+        self._unqueue(req)
         cost = self.policy.charge(req, now_ms)
         req.est_cost = cost
         req.est_kv_tokens = req.kv_tokens
         load = self._load(req.tenant)
-        load.num_queued -= 1
         load.num_in_flight += 1
         load.kv_tokens_in_flight += req.est_kv_tokens
         load.dispatched_cost += cost
-        self._in_flight[req.request_id] = _InFlight(req)
-        tier = self.config.tier(req.tier)
-        return Dispatch(req, tier.engine_priority if tier else 0, cost)
+        i = self.tiers.index(req.tier)
+        self.tiers.add_cost(i, cost, now_ms)
+        self.tiers.on_served(i, now_ms)
+        if self.rate is not None:
+            self.rate.add(now_ms, cost)
+        self.num_dispatched += 1
+        self._in_flight[req.request_id] = _InFlight(req, i)
+        return Dispatch(req, self.tiers.engine_priority(i), cost)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -175,21 +312,26 @@ class Scheduler:
         f.started = True
         return True
 
-    def _release(self, request_id: str) -> QueuedRequest | None:
+    def _release(self, request_id: str, now_ms: float) -> _InFlight | None:
         f = self._in_flight.pop(request_id, None)
         if f is None:
             return None
         load = self._load(f.request.tenant)
         load.num_in_flight -= 1
         load.kv_tokens_in_flight -= f.request.est_kv_tokens
-        return f.request
+        self.policy.on_release(f.request.tenant, now_ms)  # may un-park the tenant
+        return f
 
     def on_finished(self, request_id: str, usage: ActualUsage | None, now_ms: float) -> QueuedRequest | None:
         """Release the request's quota and true its cost up to what it really used."""
-        req = self._release(request_id)
-        if req is not None and usage is not None:
+        f = self._release(request_id, now_ms)
+        if f is None:
+            return None
+        req = f.request
+        if usage is not None:
             delta = self.policy.true_up(req, usage, now_ms)
             self._load(req.tenant).dispatched_cost += delta
+            self.tiers.add_cost(f.tier_index, delta, now_ms)
         return req
 
     def requeue(self, request_id: str, now_ms: float) -> bool:
@@ -198,13 +340,16 @@ class Scheduler:
         f = self._in_flight.get(request_id)
         if f is None or f.started:
             return False
-        req = self._release(request_id)
-        assert req is not None
+        self._release(request_id, now_ms)
+        req = f.request
         refund = self.policy.refund(req, now_ms)
         self._load(req.tenant).dispatched_cost -= refund
+        self.tiers.add_cost(f.tier_index, -refund, now_ms)
+        if self.rate is not None:
+            self.rate.add(now_ms, -refund)
+        self.num_dispatched -= 1
         req.requeued = True
-        self._queued[req.request_id] = req
-        self._load(req.tenant).num_queued += 1
+        self._enqueue(req, now_ms)
         self.policy.push_front(req, now_ms)
         return True
 
@@ -214,16 +359,64 @@ class Scheduler:
         if req is None:
             return None
         self.policy.remove(req)
-        self._load(req.tenant).num_queued -= 1
+        self._unqueue(req)
         return req
 
-    def expire(self, now_ms: float) -> list[Dropped]:
-        """Drop queued requests whose deadline has passed: they never reach a GPU."""
-        expired = [r for r in self._queued.values()
-                   if r.deadline_ms is not None and r.deadline_ms <= now_ms]
-        for r in expired:
-            self.cancel(r.request_id)
-        return [Dropped(r, ErrorCode.EXPIRED, "deadline passed while queued") for r in expired]
+    # --- deadlines and overload --------------------------------------------------------
 
-    def tenant_config(self, tenant: str) -> TenantConfig | None:
-        return self.config.tenant(tenant)
+    def expire(self, now_ms: float) -> list[Dropped]:
+        """Drop queued requests whose deadline has passed: they never reach a GPU.
+        A deadline heap makes this O(expired · log n), not a scan of the queue."""
+        out: list[Dropped] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now_ms:
+            deadline, _, req = heapq.heappop(heap)
+            # Stale entries: dispatched, cancelled, or requeued (pushed again).
+            if self._queued.get(req.request_id) is not req or req.deadline_ms != deadline:
+                continue
+            self.cancel(req.request_id)
+            self.drops[ErrorCode.EXPIRED] += 1
+            out.append(Dropped(req, ErrorCode.EXPIRED, "deadline passed while queued"))
+        if len(heap) > 1024 and len(heap) > 4 * len(self._queued):
+            self._deadlines = [e for e in heap if self._queued.get(e[2].request_id) is e[2]]
+            heapq.heapify(self._deadlines)
+        return out
+
+    def shed(self, now_ms: float, max_queued_total: int | None = None) -> list[Dropped]:
+        """Overload shedding: cut the queue to `max_queued_total` (default: the config's).
+
+        The lowest tier goes first; within a tier, the longest tenant queues are cut
+        first (water-filling, so a flood pays for itself), each losing its least urgent
+        requests. A fast, retryable `overloaded` beats a wait that blows the SLA anyway.
+        O(queued · log) per call: it runs on overload, not per decision.
+        """
+        limit = self.config.max_queued_total if max_queued_total is None else max_queued_total
+        excess = len(self._queued) - max(limit, 0)
+        if excess <= 0:
+            return []
+        by_tier: dict[int, dict[str, list[QueuedRequest]]] = {}
+        for req in self._queued.values():
+            by_tier.setdefault(self.tiers.index(req.tier), {}).setdefault(req.tenant, []).append(req)
+        retry_ms = self._drain_retry_ms(now_ms)
+        victims: list[QueuedRequest] = []
+        for i in sorted(by_tier, reverse=True):  # lowest tier first
+            if excess <= 0:
+                break
+            tenants = by_tier[i]
+            for reqs in tenants.values():  # least urgent last: (priority, deadline, arrival)
+                reqs.sort(key=lambda r: (-r.priority, r.deadline_ms is None,
+                                         r.deadline_ms or 0.0, r.seq))
+            longest = [(-len(reqs), name) for name, reqs in tenants.items()]
+            heapq.heapify(longest)
+            while excess > 0 and longest:
+                neg, name = heapq.heappop(longest)
+                victims.append(tenants[name].pop())
+                excess -= 1
+                if neg + 1 < 0:
+                    heapq.heappush(longest, (neg + 1, name))
+        out = []
+        for req in victims:
+            self.cancel(req.request_id)
+            self.drops[ErrorCode.OVERLOADED] += 1
+            out.append(Dropped(req, ErrorCode.OVERLOADED, "shed under overload", retry_ms))
+        return out

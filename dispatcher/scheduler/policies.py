@@ -1,104 +1,108 @@
 """Selection policies: strategies behind one small interface, chosen by `make_policy`.
 
-A policy decides *which queued request goes next*; the `Scheduler` core owns the
-bookkeeping (what is queued, in flight, quotas). `eligible(tenant, kv_tokens)` tells
-the policy whether a tenant is within its quotas right now; an ineligible tenant is
-skipped, never dropped.
+- `fifo`: one line per tier in arrival order — the baseline that lets a flood win;
+- `drr`: weighted Deficit Round Robin across tenants (`dispatcher.scheduler.drr`);
+- `vtc`: Virtual Token Counter with counter lift (`dispatcher.scheduler.vtc`).
+
+The interface (`Policy`) and the meaning of `eligible` are in `dispatcher.scheduler.base`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
+from dispatcher.scheduler.base import Eligible, Policy
 from dispatcher.scheduler.config import SchedulerConfig
+from dispatcher.scheduler.cost import CostModel, make_cost_model
+from dispatcher.scheduler.drr import DrrPolicy
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from dispatcher.scheduler.vtc import VtcPolicy
 
-Eligible = Callable[[str, int], bool]
-
-
-class Policy(Protocol):
-    name: str
-
-    def push(self, req: QueuedRequest, now_ms: float) -> None: ...
-    def push_front(self, req: QueuedRequest, now_ms: float) -> None: ...
-    def pop(self, eligible: Eligible, now_ms: float) -> QueuedRequest | None: ...
-    def remove(self, req: QueuedRequest) -> None: ...
-    def charge(self, req: QueuedRequest, now_ms: float) -> float:
-        """Cost charged when `req` is dispatched (returned for metrics)."""
-        ...
-    def refund(self, req: QueuedRequest, now_ms: float) -> float:
-        """Undo `charge` for a request that went back to the queue; returns the amount."""
-        ...
-    def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
-        """Correct the charge to the actual usage; returns actual - estimate."""
-        ...
+__all__ = ["DrrPolicy", "Eligible", "FifoPolicy", "Policy", "VtcPolicy", "make_policy"]
 
 
 class FifoPolicy:
-    """One shared line in arrival order: the baseline that lets a flood win.
+    """One shared line per tier in arrival order (requeued work at the front).
 
     Quota-blocked heads are skipped (scanning at most `max_scan` entries), so FIFO
     honours quotas too and the comparison with fair policies is only about order.
+    Removal is lazy: an entry is live while `_live[request_id]` is its token.
     """
 
     name = "fifo"
     max_scan = 4096
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        self._line: deque[QueuedRequest] = deque()
-        self._removed: set[str] = set()
+    def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None) -> None:
+        self.cost_model = cost_model or make_cost_model(config)
+        self._lines: dict[str, deque[tuple[int, QueuedRequest]]] = {}
+        self._live: dict[str, int] = {}
+        self._tokens = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._line) - len(self._removed)
+        return len(self._live)
+
+    def _line(self, tier: str) -> deque[tuple[int, QueuedRequest]]:
+        line = self._lines.get(tier)
+        if line is None:
+            line = self._lines[tier] = deque()
+        return line
 
     def push(self, req: QueuedRequest, now_ms: float) -> None:
-        self._removed.discard(req.request_id)
-        self._line.append(req)
+        token = self._live[req.request_id] = next(self._tokens)
+        self._line(req.tier).append((token, req))
 
     def push_front(self, req: QueuedRequest, now_ms: float) -> None:
-        self._removed.discard(req.request_id)
-        self._line.appendleft(req)
+        token = self._live[req.request_id] = next(self._tokens)
+        self._line(req.tier).appendleft((token, req))
 
     def remove(self, req: QueuedRequest) -> None:
-        self._removed.add(req.request_id)
+        self._live.pop(req.request_id, None)
 
-    def pop(self, eligible: Eligible, now_ms: float) -> QueuedRequest | None:
-        skipped: list[QueuedRequest] = []
+    def pop(self, tier: str, eligible: Eligible, now_ms: float) -> QueuedRequest | None:
+        line = self._lines.get(tier)
+        if not line:
+            return None
+        skipped: list[tuple[int, QueuedRequest]] = []
         found: QueuedRequest | None = None
-        while self._line and len(skipped) < self.max_scan:
-            req = self._line.popleft()
-            if req.request_id in self._removed:
-                self._removed.discard(req.request_id)
+        while line and len(skipped) < self.max_scan:
+            token, req = line.popleft()
+            if self._live.get(req.request_id) != token:
                 continue
             if eligible(req.tenant, req.kv_tokens):
+                del self._live[req.request_id]
                 found = req
                 break
-            skipped.append(req)
-        self._line.extendleft(reversed(skipped))
+            skipped.append((token, req))
+        line.extendleft(reversed(skipped))
         return found
 
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
-        return 1.0
+        return self.cost_model.estimate(req)
 
     def refund(self, req: QueuedRequest, now_ms: float) -> float:
-        return 1.0
+        return req.est_cost
 
     def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
-        return 0.0
+        return self.cost_model.actual(req, usage) - req.est_cost
+
+    def on_release(self, tenant: str, now_ms: float) -> None:
+        pass
 
 
 _POLICIES: dict[str, Callable[[SchedulerConfig], Policy]] = {
-    "fifo": FifoPolicy,
+    FifoPolicy.name: FifoPolicy,
+    DrrPolicy.name: DrrPolicy,
+    VtcPolicy.name: VtcPolicy,
 }
 
 
-def make_policy(config: SchedulerConfig) -> Policy:
+def make_policy(config: SchedulerConfig, cost_model: CostModel | None = None) -> Policy:
     try:
         factory = _POLICIES[config.policy]
     except KeyError:
         raise ValueError(
             f"unknown policy {config.policy!r}; choose one of {sorted(_POLICIES)}"
         ) from None
-    return factory(config)
+    return factory(config, cost_model) if cost_model is not None else factory(config)
