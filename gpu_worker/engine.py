@@ -63,7 +63,11 @@ class Engine(Protocol):
         """Stop a running request; its generate() iterator ends with finish 'abort'."""
 
     def load(self) -> EngineLoad:
-        """Running/waiting sequences and KV use, for pull headroom and heartbeats."""
+        """Running/waiting sequences and KV use, for pull headroom and heartbeats.
+
+        May raise EngineDead once the engine is gone (the worker then fails its
+        in-flight requests and exits), so a dead engine is noticed even when idle.
+        """
 
     async def close(self) -> None:
         """Stop the engine and free its resources."""

@@ -1,0 +1,34 @@
+"""Engine factory: one place that maps ``settings.engine`` to an implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpu_worker.config import WorkerSettings
+from gpu_worker.engine import Engine
+
+
+def _sim(settings: WorkerSettings) -> Engine:
+    from gpu_worker.sim.engine import SimEngine
+
+    return SimEngine.from_settings(settings)
+
+
+def _vllm(settings: WorkerSettings) -> Engine:
+    # Imported lazily: vLLM is heavy and absent on simulator-only installs.
+    from gpu_worker.vllm_engine import VllmEngine
+
+    return VllmEngine.from_settings(settings)
+
+
+ENGINES: dict[str, Callable[[WorkerSettings], Engine]] = {"sim": _sim, "vllm": _vllm}
+
+
+def make_engine(settings: WorkerSettings) -> Engine:
+    try:
+        factory = ENGINES[settings.engine]
+    except KeyError:
+        raise ValueError(
+            f"unknown engine {settings.engine!r}; choose one of {sorted(ENGINES)}"
+        ) from None
+    return factory(settings)

@@ -1,0 +1,122 @@
+"""Per-request state of the worker: coalescing buffer, chunk numbering, usage.
+
+Pure bookkeeping (no NATS, no awaits): `gpu_worker.service` feeds it engine deltas
+and publishes what it builds. Times are monotonic seconds, passed in or read here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from fairlane.protocol import ErrorInfo, TokenChunk, Usage, WorkItem
+from fairlane.runtime import now_ms
+from gpu_worker.engine import GenerationDelta
+
+WAKE = object()  # control signal on a request's queue: look at its flags
+
+
+def mono_s() -> float:
+    return time.monotonic()
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One accepted request, from pull to its last chunk."""
+
+    item: WorkItem
+    accepted_s: float = field(default_factory=mono_s)
+    # engine deltas, exceptions and WAKE signals, consumed by the request's task
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    started: bool = False  # first token produced (Started published)
+    first_token_s: float = 0.0
+    last: GenerationDelta | None = None  # latest delta: carries the accounting
+    next_seq: int = 0
+    # coalescing buffer
+    buf_text: list[str] = field(default_factory=list)
+    buf_token_ids: list[int] = field(default_factory=list)
+    buf_num_tokens: int = 0
+    buf_since_s: float = 0.0  # when the oldest unflushed token arrived
+    # control flags, set from outside the request's task, then WAKE is queued
+    cancelled: bool = False
+    requeue_reason: str | None = None
+    fail: ErrorInfo | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.item.request.request_id
+
+    @property
+    def stopping(self) -> bool:
+        return self.fail is not None or self.cancelled or self.requeue_reason is not None
+
+    def signal(self) -> None:
+        self.queue.put_nowait(WAKE)
+
+    def add(self, delta: GenerationDelta, now_s: float) -> bool:
+        """Buffer a delta's tokens. True if this is the request's first token."""
+        self.last = delta
+        if not (delta.token_ids or delta.text):
+            return False
+        first = not self.started
+        if first:
+            self.started = True
+            self.first_token_s = now_s
+        if not self.buf_num_tokens:
+            self.buf_since_s = now_s
+        self.buf_text.append(delta.text)
+        self.buf_token_ids.extend(delta.token_ids)
+        self.buf_num_tokens += max(1, len(delta.token_ids))
+        return first
+
+    def take_chunk(
+        self,
+        *,
+        finish_reason: str | None = None,
+        usage: Usage | None = None,
+        error: ErrorInfo | None = None,
+    ) -> TokenChunk:
+        """Empty the buffer into the next chunk (seq numbers from 0, no gaps)."""
+        req = self.item.request
+        chunk = TokenChunk(
+            request_id=req.request_id,
+            seq=self.next_seq,
+            text="".join(self.buf_text),
+            token_ids=list(self.buf_token_ids)
+            if req.return_token_ids and self.buf_token_ids
+            else None,
+            num_tokens=self.buf_num_tokens,
+            finish_reason=finish_reason,
+            usage=usage,
+            error=error,
+        )
+        self.next_seq += 1
+        self.buf_text.clear()
+        self.buf_token_ids.clear()
+        self.buf_num_tokens = 0
+        return chunk
+
+    def usage(self, worker_id: str, finish_reason: str, now_s: float | None = None) -> Usage:
+        req = self.item.request
+        d = self.last or GenerationDelta()
+        now_s = mono_s() if now_s is None else now_s
+        return Usage(
+            request_id=req.request_id,
+            tenant=req.tenant,
+            pool=req.pool,
+            tier=req.tier,
+            worker_id=worker_id,
+            prompt_tokens=d.num_prompt_tokens,
+            completion_tokens=d.num_output_tokens,
+            cached_prompt_tokens=d.num_cached_prompt_tokens,
+            queue_ms=self.item.queue_ms,
+            # Measured from the moment this worker accepted the item (its dispatch as
+            # seen here), on the monotonic clock: no cross-host clock skew.
+            ttft_ms=(self.first_token_s - self.accepted_s) * 1000 if self.started else 0.0,
+            e2e_ms=(now_s - self.accepted_s) * 1000,
+            kv_token_seconds=d.kv_token_seconds,
+            finish_reason=finish_reason,
+            ts_ms=now_ms(),
+        )

@@ -1,0 +1,506 @@
+"""The GPU worker's asyncio shell: pulls work, streams tokens, reports events.
+
+The engine (`gpu_worker.engine.Engine`) does the generating; this module owns every
+NATS interaction (DESIGN.md sections 3, 4 and 6):
+
+- pull loop: a core request on ``fl.work.<pool>`` (`PullRequest`, answered with a
+  `WorkBatch`) only while there is headroom: at most ``max_num_seqs + prefetch_seqs``
+  requests in flight and at most ``prefetch_seqs`` queued inside the engine (so work
+  is placed as late as possible). Without room it waits for a slot event (a request
+  started or finished), never polls.
+- per request: one task streams coalesced `TokenChunk`s (``seq`` from 0) to the
+  request's ``reply_to``; `Started` on the first token, `Finished` at the end, and
+  the `Usage` to JetStream with ``Nats-Msg-Id = request_id`` (idempotent metering).
+- cancel subscription, heartbeats, drain on stop, and fail-everything on engine death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+import nats
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from fairlane.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    Finished,
+    Heartbeat,
+    ProtocolError,
+    PullRequest,
+    Requeue,
+    Started,
+    Usage,
+    WorkItem,
+    decode_cancel,
+    decode_work_batch,
+    encode,
+)
+from fairlane.runtime import now_ms
+from fairlane.streams import ensure_streams
+from fairlane.subjects import Subjects
+from gpu_worker.config import WorkerSettings
+from gpu_worker.engine import Engine, EngineDead, EngineError, GenerationDelta
+from gpu_worker.inflight import WAKE, InFlight, mono_s
+
+log = structlog.get_logger(__name__)
+
+PULL_TIMEOUT_MARGIN_MS = 2_000  # on top of wait_ms: the dispatcher answers within wait_ms
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+USAGE_PUBLISH_ATTEMPTS = 5
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 3
+EXIT_FAILED = 1
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, engine: Engine, nc: NATS | None = None) -> None:
+        self.s = settings
+        self.engine = engine
+        self.subjects = Subjects(settings.prefix)
+        self.worker_id = settings.worker_id
+        self._nc = nc
+        self._own_nc = nc is None
+        self._reqs: dict[str, InFlight] = {}
+        self._background: set[asyncio.Task] = set()
+        self._slot_event = asyncio.Event()  # a request started or finished, or drain
+        self._draining = False
+        self._drain_event = asyncio.Event()
+        self._dead = asyncio.Event()
+        self._dead_reason = ""
+        self.num_pulls = 0
+        self.num_pulls_failed = 0
+        self.log = log.bind(worker_id=self.worker_id, pool=settings.pool)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> int:
+        if self._nc is None:
+            self._nc = await nats.connect(
+                self.s.nats_url,
+                name=f"gpu_worker:{self.worker_id}",
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+            )
+        nc = self._nc
+        self.js = nc.jetstream()
+        await ensure_streams(self.js, self.subjects)
+        await self.engine.start()
+        cancel_sub = await nc.subscribe(self.subjects.cancel(self.s.pool), cb=self._on_cancel)
+        hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        pull_task = asyncio.create_task(self._pull_loop(), name="pull")
+        self.log.info(
+            "worker_started",
+            engine=self.s.engine,
+            max_num_seqs=self.s.max_num_seqs,
+            prefetch_seqs=self.s.prefetch_seqs,
+            work_subject=self.subjects.work(self.s.pool),
+        )
+        stop_task = asyncio.create_task(stop.wait())
+        dead_task = asyncio.create_task(self._dead.wait())
+        try:
+            await asyncio.wait(
+                {stop_task, dead_task, pull_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if pull_task.done() and not pull_task.cancelled() and pull_task.exception():
+                self._engine_died(f"pull loop crashed: {pull_task.exception()!r}")
+            if self._dead.is_set():
+                rc = await self._die(pull_task)
+            else:
+                rc = await self._drain(pull_task)
+        finally:
+            for t in (stop_task, dead_task, hb_task, pull_task):
+                t.cancel()
+            await asyncio.gather(stop_task, dead_task, hb_task, pull_task, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await cancel_sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.engine.close()
+            if self._own_nc:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
+        self.log.info("worker_stopped", exit_code=rc)
+        return rc
+
+    async def _drain(self, pull_task: asyncio.Task) -> int:
+        """Stop pulling, hand back unstarted work, let started work finish (bounded)."""
+        self.log.info("drain_started", num_in_flight=len(self._reqs))
+        self._draining = True
+        self._drain_event.set()
+        self._slot_event.set()
+        await self._heartbeat()
+        # An outstanding long-poll may still bring items; they are handed back on arrival.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.shield(pull_task), (self.s.pull_wait_ms + PULL_TIMEOUT_MARGIN_MS) / 1000
+            )
+        for r in list(self._reqs.values()):
+            if not r.started:
+                r.requeue_reason = "draining"
+                r.signal()
+        tasks = [r.task for r in self._reqs.values() if r.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.s.drain_timeout_s)
+            if pending:
+                self.log.warning("drain_timeout", num_unfinished=len(pending),
+                                 drain_timeout_s=self.s.drain_timeout_s)
+                info = ErrorInfo.of(ErrorCode.WORKER_LOST, "worker stopped before finishing")
+                for r in list(self._reqs.values()):
+                    r.fail = info
+                    r.signal()
+                await asyncio.wait(pending, timeout=5.0)
+        await self._wait_background()
+        await self._heartbeat()
+        self.log.info("drain_done", engine_dead=self._dead.is_set())
+        # The engine dying mid-drain still means a broken worker: exit non-zero.
+        return EXIT_ENGINE_DEAD if self._dead.is_set() else EXIT_OK
+
+    async def _die(self, pull_task: asyncio.Task) -> int:
+        """The engine is gone: every in-flight request gets an explicit error."""
+        self.log.error("engine_dead", reason=self._dead_reason, num_in_flight=len(self._reqs))
+        self._draining = True
+        self._drain_event.set()
+        pull_task.cancel()
+        info = ErrorInfo.of(ErrorCode.ENGINE_ERROR, f"engine failed: {self._dead_reason}")
+        for r in list(self._reqs.values()):
+            r.fail = info
+            r.signal()
+        tasks = [r.task for r in self._reqs.values() if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10.0)
+        await self._wait_background()
+        return EXIT_ENGINE_DEAD
+
+    def _engine_died(self, reason: str) -> None:
+        if not self._dead.is_set():
+            self._dead_reason = reason
+            self._dead.set()
+
+    async def _wait_background(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=10.0)
+
+    # --- pulling --------------------------------------------------------------------
+
+    def _room(self) -> tuple[int, int]:
+        """(how many items to ask for, free KV tokens). Raises EngineDead."""
+        load = self.engine.load()
+        in_flight = max(len(self._reqs), load.num_running + load.num_waiting)
+        room = self.s.max_num_seqs + self.s.prefetch_seqs - in_flight
+        # Work already queued inside the engine (slot- or KV-bound) is placed early;
+        # keep that queue to at most the prefetch, so decisions stay late.
+        if load.num_waiting > 0:
+            room = min(room, self.s.prefetch_seqs - load.num_waiting)
+        free_kv = max(0, load.kv_tokens_total - load.kv_tokens_used)
+        return room, free_kv
+
+    async def _pull_loop(self) -> None:
+        assert self._nc is not None
+        subject = self.subjects.work(self.s.pool)
+        timeout_s = (self.s.pull_wait_ms + PULL_TIMEOUT_MARGIN_MS) / 1000
+        backoff_s = BACKOFF_MIN_S
+        while not self._draining:
+            self._slot_event.clear()
+            try:
+                room, free_kv = self._room()
+            except EngineDead as exc:
+                self._engine_died(str(exc))
+                return
+            if room <= 0:
+                await self._slot_event.wait()
+                continue
+            pull = PullRequest(
+                worker_id=self.worker_id,
+                pool=self.s.pool,
+                max_items=min(room, 4096),
+                free_kv_tokens=free_kv,
+                wait_ms=min(self.s.pull_wait_ms, 60_000),
+            )
+            self.num_pulls += 1
+            try:
+                msg = await self._nc.request(subject, encode(pull), timeout=timeout_s)
+                batch = decode_work_batch(msg.data)
+            except (NoRespondersError, TimeoutError, ProtocolError, nats.errors.Error) as exc:
+                # No dispatcher (yet), a slow one, a reconnect: back off and ask again.
+                self.num_pulls_failed += 1
+                level = self.log.debug if isinstance(exc, NoRespondersError) else self.log.warning
+                level("pull_failed", error=repr(exc), backoff_ms=round(backoff_s * 1000))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drain_event.wait(), backoff_s)
+                backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
+                continue
+            backoff_s = BACKOFF_MIN_S
+            if batch.items:
+                self.log.debug("pulled", num_items=len(batch.items), max_items=pull.max_items)
+            for item in batch.items:
+                await self._accept(item)
+
+    async def _accept(self, item: WorkItem) -> None:
+        rid = item.request.request_id
+        if rid in self._reqs:
+            self.log.warning("duplicate_work_item", request_id=rid)
+            return
+        if self._draining:
+            reason = "engine_dead" if self._dead.is_set() else "draining"
+            await self._event(Requeue(request_id=rid, worker_id=self.worker_id, reason=reason))
+            self.log.info("requeued", request_id=rid, reason=reason)
+            return
+        r = InFlight(item=item)
+        self._reqs[rid] = r
+        r.task = asyncio.create_task(self._serve(r), name=f"req-{rid}")
+
+    # --- one request ----------------------------------------------------------------
+
+    async def _pump(self, r: InFlight) -> None:
+        """Engine deltas -> the request's queue (so the server side can time flushes)."""
+        try:
+            stream: AsyncIterator[GenerationDelta] = self.engine.generate(r.item)
+            closer = getattr(stream, "aclose", None)
+            try:
+                async for delta in stream:
+                    r.queue.put_nowait(delta)
+                    if delta.finish_reason is not None:
+                        return
+            finally:
+                if closer is not None:
+                    await closer()
+            r.queue.put_nowait(EngineError("engine stream ended without a finish reason"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error chunk
+            r.queue.put_nowait(exc)
+
+    async def _serve(self, r: InFlight) -> None:
+        rid = r.request_id
+        pump = asyncio.create_task(self._pump(r), name=f"pump-{rid}")
+        coalesce_s = self.s.coalesce_ms / 1000
+        outcome: object = None
+        try:
+            while True:
+                if r.buf_num_tokens:
+                    left_s = r.buf_since_s + coalesce_s - mono_s()
+                    if left_s <= 0:
+                        await self._flush(r)
+                        continue
+                    try:
+                        ev = await asyncio.wait_for(r.queue.get(), left_s)
+                    except TimeoutError:
+                        await self._flush(r)
+                        continue
+                else:
+                    ev = await r.queue.get()
+                if r.stopping:
+                    break  # flags win over anything still queued
+                if ev is WAKE:
+                    continue
+                if isinstance(ev, BaseException):
+                    outcome = ev
+                    break
+                assert isinstance(ev, GenerationDelta)
+                if r.add(ev, mono_s()):
+                    await self._event(
+                        Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms())
+                    )
+                    self._slot_event.set()  # it left the engine's queue
+                if ev.finish_reason is not None:
+                    outcome = ev
+                    break
+                if r.buf_num_tokens and (
+                    coalesce_s <= 0 or mono_s() - r.buf_since_s >= coalesce_s
+                ):
+                    await self._flush(r)
+        finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump  # closes the engine stream: the engine frees the sequence
+        try:
+            await self._finish(r, outcome)
+        except Exception as exc:  # noqa: BLE001 - never let one request kill the worker
+            self.log.error("finish_failed", request_id=rid, error=repr(exc))
+        finally:
+            self._reqs.pop(rid, None)
+            self._slot_event.set()
+
+    async def _finish(self, r: InFlight, outcome: object) -> None:
+        rid = r.request_id
+        if r.fail is not None:
+            await self._end_with_error(r, r.fail)
+            return
+        if r.requeue_reason is not None and not r.started:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+            await self._event(
+                Requeue(request_id=rid, worker_id=self.worker_id, reason=r.requeue_reason)
+            )
+            self.log.info("requeued", request_id=rid, reason=r.requeue_reason)
+            return
+        if r.cancelled:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+            await self._end_with_error(
+                r, ErrorInfo.of(ErrorCode.CANCELLED, "request cancelled"), finish_reason="abort"
+            )
+            return
+        if isinstance(outcome, EngineDead):
+            self._engine_died(str(outcome))
+            await self._end_with_error(r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, str(outcome)))
+            return
+        if isinstance(outcome, EngineError):
+            await self._end_with_error(r, ErrorInfo.of(outcome.code, outcome.message))
+            return
+        if isinstance(outcome, BaseException):
+            self.log.error("engine_request_failed", request_id=rid, error=repr(outcome))
+            await self._end_with_error(
+                r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, f"engine error: {outcome!r}")
+            )
+            return
+        assert isinstance(outcome, GenerationDelta) and outcome.finish_reason is not None
+        if outcome.finish_reason == "abort":  # the engine dropped it without our cancel
+            await self._end_with_error(
+                r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, "request aborted by the engine")
+            )
+            return
+        usage = r.usage(self.worker_id, outcome.finish_reason)
+        await self._flush(r, finish_reason=outcome.finish_reason, usage=usage)
+        await self._event(
+            Finished(request_id=rid, worker_id=self.worker_id, usage=usage, ts_ms=usage.ts_ms)
+        )
+        self._publish_usage(usage)
+        self.log.info(
+            "request_finished",
+            request_id=rid,
+            tenant=usage.tenant,
+            finish_reason=usage.finish_reason,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            ttft_ms=round(usage.ttft_ms, 2),
+            e2e_ms=round(usage.e2e_ms, 2),
+            kv_token_seconds=round(usage.kv_token_seconds, 3),
+        )
+
+    async def _end_with_error(
+        self, r: InFlight, error: ErrorInfo, finish_reason: str = "error"
+    ) -> None:
+        usage = r.usage(self.worker_id, finish_reason)
+        await self._flush(r, error=error, usage=usage)
+        await self._event(
+            Finished(
+                request_id=r.request_id,
+                worker_id=self.worker_id,
+                usage=usage,
+                error=error,
+                ts_ms=usage.ts_ms,
+            )
+        )
+        if usage.completion_tokens > 0:
+            self._publish_usage(usage)  # tokens were generated: the tenant is metered
+        self.log.info(
+            "request_failed",
+            request_id=r.request_id,
+            code=error.code.value,
+            message=error.message,
+            completion_tokens=usage.completion_tokens,
+        )
+
+    async def _flush(
+        self,
+        r: InFlight,
+        *,
+        finish_reason: str | None = None,
+        usage: Usage | None = None,
+        error: ErrorInfo | None = None,
+    ) -> None:
+        req = r.item.request
+        chunk = r.take_chunk(finish_reason=finish_reason, usage=usage, error=error)
+        try:
+            assert self._nc is not None
+            await self._nc.publish(req.reply_to, encode(chunk))
+        except Exception as exc:  # noqa: BLE001 - tokens are at-most-once by design
+            self.log.warning("chunk_publish_failed", request_id=req.request_id, error=repr(exc))
+
+    # --- events, usage, cancel, heartbeat -------------------------------------------
+
+    async def _event(self, evt: msgspec.Struct) -> None:
+        try:
+            assert self._nc is not None
+            await self._nc.publish(self.subjects.events(self.s.pool), encode(evt))
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("event_publish_failed", event=type(evt).__name__, error=repr(exc))
+
+    def _publish_usage(self, usage: Usage) -> None:
+        t = asyncio.create_task(self._publish_usage_now(usage))
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    async def _publish_usage_now(self, usage: Usage) -> None:
+        subject = self.subjects.usage(usage.tenant)
+        headers = {"Nats-Msg-Id": usage.request_id}  # one metering record per request
+        delay_s = 0.1
+        for attempt in range(1, USAGE_PUBLISH_ATTEMPTS + 1):
+            try:
+                await self.js.publish(subject, encode(usage), timeout=2.0, headers=headers)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried, idempotent by msg id
+                self.log.warning("usage_publish_failed", request_id=usage.request_id,
+                                 attempt=attempt, error=repr(exc))
+                await asyncio.sleep(delay_s)
+                delay_s *= 2
+        self.log.error("usage_lost", request_id=usage.request_id, tenant=usage.tenant)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = decode_cancel(msg.data)
+        except ProtocolError as exc:
+            self.log.warning("bad_cancel", error=exc.message)
+            return
+        r = self._reqs.get(cancel.request_id)
+        if r is None or r.cancelled:
+            return
+        self.log.info("cancel", request_id=cancel.request_id, reason=cancel.reason)
+        r.cancelled = True
+        r.signal()
+        try:
+            await self.engine.abort(cancel.request_id)
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("abort_failed", request_id=cancel.request_id, error=repr(exc))
+
+    async def _heartbeat(self) -> None:
+        try:
+            load = self.engine.load()
+        except EngineDead as exc:
+            self._engine_died(str(exc))
+            return
+        await self._event(
+            Heartbeat(
+                worker_id=self.worker_id,
+                pool=self.s.pool,
+                load=load,
+                in_flight_ids=list(self._reqs),
+                draining=self._draining,
+                interval_ms=self.s.heartbeat_ms,
+                ts_ms=now_ms(),
+            )
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        # A periodic timer is the one place a plain sleep is right.
+        while True:
+            await self._heartbeat()
+            await asyncio.sleep(self.s.heartbeat_ms / 1000)
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
+    from gpu_worker.engines import make_engine
+
+    try:
+        engine = make_engine(settings)
+        return await Worker(settings, engine).run(stop)
+    except Exception as exc:  # noqa: BLE001 - startup failures exit non-zero, logged
+        log.exception("worker_failed", error=repr(exc), worker_id=settings.worker_id)
+        return EXIT_FAILED
