@@ -1,0 +1,439 @@
+"""`VllmEngine`: the `Engine` protocol on vLLM v1's `AsyncLLM` (DESIGN.md section 6).
+
+What the adapter adds on top of vLLM:
+
+* DELTA streaming (`RequestOutputKind.DELTA`): each `GenerationDelta` carries only new
+  text and token ids; the last one has `finish_reason` and the accounting fields.
+* `WorkItem.engine_priority` -> vLLM `priority` (lower runs first); the engine is
+  started with `scheduling_policy="priority"` so the waiting queue honours it.
+* Per-tenant `cache_salt` (on by default): ``item.cache_salt or tenant`` goes into the
+  prompt dict, so a prefix-cache hit never crosses tenants (one tenant cannot probe
+  another's prompts through TTFT). Turn it off for a single-tenant pool.
+* Usage: prompt / cached prompt / output tokens from vLLM's outputs; TTFT and
+  KV-token-seconds measured here (see `_Accounting`).
+* `load()`: see `_SchedulerStatsTap` for where the figures come from.
+
+vLLM is imported lazily so that this module (and `gpu_worker.engines`) imports on
+machines without vLLM; only `start()` needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fairlane.protocol import EngineLoad, ErrorCode, WorkItem
+from gpu_worker.chat_template import render_chat
+from gpu_worker.engine import EngineDead, EngineError, GenerationDelta, PromptTooLong
+
+
+@dataclass(slots=True)
+class VllmDelta(GenerationDelta):
+    """A `GenerationDelta` plus what only the engine side can measure.
+
+    `ttft_ms` is from submission to vLLM to the first generated token (0 until then).
+    """
+
+    ttft_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class VllmEngineConfig:
+    model: str
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's own limit
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    load_format: str = "auto"  # "dummy": random weights (tests, calibration)
+    skip_tokenizer_init: bool = False  # then only prompt_token_ids are accepted
+    tenant_cache_salt: bool = True
+    scheduling_policy: str = "priority"
+    enable_prefix_caching: bool = True
+    # CPU build only: KV cache size in GiB (vLLM reads VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_space_gib: float | None = None
+    seed: int = 0
+
+
+class _SchedulerStatsTap:
+    """A per-engine vLLM stat logger that keeps the latest `SchedulerStats`.
+
+    vLLM v1 has no public "current load" call: the scheduler lives in the engine-core
+    process and ships `SchedulerStats` (running, waiting, KV usage fraction) with
+    every step's outputs to `AsyncLLM`, which hands them to its stat loggers. We
+    register this tap as a custom stat logger (`stat_loggers=[factory]`) and read
+    the latest figures. vLLM marks this interface as not stable; the tap only reads
+    three fields, defensively. Stats stop arriving when the engine goes idle, so
+    `VllmEngine.load()` combines them with its own in-flight count.
+    """
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.updated_at = 0.0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        tap = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is None:
+                    return
+                tap.num_running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+                tap.num_waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+                tap.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
+                tap.updated_at = time.monotonic()
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
+class _Accounting:
+    """Per-request usage measured in the adapter.
+
+    KV-token-seconds integrates the tokens this sequence holds in the KV cache
+    (prompt + generated so far) over wall time, piecewise constant between outputs.
+    It starts at the first output: before that the request waits (holds no KV) or is
+    being prefilled, and the prefill step itself is not counted (a small, known
+    under-count). Block rounding is ignored: this is the tenant's bill, not the
+    allocator's view.
+    """
+
+    __slots__ = (
+        "submitted",
+        "last_t",
+        "first_token_t",
+        "num_prompt",
+        "num_cached",
+        "num_output",
+        "kv_token_seconds",
+    )
+
+    def __init__(self) -> None:
+        self.submitted = time.monotonic()
+        self.last_t = 0.0
+        self.first_token_t = 0.0
+        self.num_prompt = 0
+        self.num_cached = 0
+        self.num_output = 0
+        self.kv_token_seconds = 0.0
+
+    def on_output(self, num_new_tokens: int, now: float) -> None:
+        if self.last_t:
+            self.kv_token_seconds += (self.num_prompt + self.num_output) * (now - self.last_t)
+        self.last_t = now
+        if num_new_tokens and not self.first_token_t:
+            self.first_token_t = now
+        self.num_output += num_new_tokens
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.first_token_t - self.submitted) * 1000.0 if self.first_token_t else 0.0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_prompt + self.num_output if self.last_t else 0
+
+
+class VllmEngine:
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self._llm: Any = None
+        self._start_lock = asyncio.Lock()
+        self._tap = _SchedulerStatsTap()
+        self._inflight: dict[str, _Accounting] = {}
+        self._tokenizer: Any = None
+        self._max_model_len = config.max_model_len or 0
+        self._kv_tokens_total = 0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> VllmEngine:
+        """Build from `gpu_worker.config.WorkerSettings` (or anything with those names)."""
+        defaults = VllmEngineConfig(model="")
+        kwargs = {
+            name: getattr(settings, name, getattr(defaults, name))
+            for name in VllmEngineConfig.__slots__
+        }
+        if not kwargs["model"]:
+            raise ValueError("VllmEngine needs settings.model (a model name or path)")
+        kwargs["max_model_len"] = kwargs["max_model_len"] or None  # 0 / "" mean unset
+        return cls(VllmEngineConfig(**kwargs))
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._llm is not None:
+                return
+            cfg = self.config
+            if cfg.kv_cache_space_gib is not None:
+                # Read by the engine-core process it spawns; integer GiB.
+                os.environ.setdefault(
+                    "VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_space_gib)))
+                )
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = AsyncEngineArgs(
+                model=cfg.model,
+                tokenizer=None if cfg.skip_tokenizer_init else cfg.model,
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=cfg.max_model_len,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                dtype=cfg.dtype,
+                enforce_eager=cfg.enforce_eager,
+                load_format=cfg.load_format,
+                skip_tokenizer_init=cfg.skip_tokenizer_init,
+                scheduling_policy=cfg.scheduling_policy,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                seed=cfg.seed,
+                # Default loggers off (they print every 5 s); our tap still gets stats.
+                disable_log_stats=True,
+            )
+            # Building the engine takes seconds to minutes (model load, KV profiling,
+            # maybe compilation); keep the event loop (heartbeats) alive meanwhile.
+            llm = await asyncio.to_thread(
+                AsyncLLM.from_engine_args, args, stat_loggers=[self._tap.factory]
+            )
+            self._llm = llm
+            self._max_model_len = llm.model_config.max_model_len
+            cache = llm.vllm_config.cache_config
+            self._kv_tokens_total = int((cache.num_gpu_blocks or 0) * cache.block_size)
+            if not cfg.skip_tokenizer_init:
+                self._tokenizer = llm.tokenizer
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        # Stop the output handler first: otherwise it sees the engine core go away
+        # during shutdown and logs a spurious EngineDeadError traceback.
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        await asyncio.to_thread(llm.shutdown)
+        # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when
+        # vLLM's module globals are already None (a noisy TypeError); once is enough.
+        llm.shutdown = lambda *args, **kwargs: None
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def kv_tokens_total(self) -> int:
+        return self._kv_tokens_total
+
+    # --- load -----------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        """Running/waiting from vLLM's scheduler stats, bounded by what we have in flight.
+
+        Requests we submitted that the scheduler has not reported yet count as
+        waiting (that is what they are for pull headroom). With nothing in flight the
+        engine is idle whatever the last (stale) stats said. Raises EngineDead once
+        vLLM's engine core is gone, so the worker notices even when idle.
+        """
+        if self._llm is not None and self._llm.errored:
+            raise EngineDead("vLLM engine is dead")
+        num_inflight = len(self._inflight)
+        if num_inflight == 0:
+            return EngineLoad(
+                max_num_seqs=self.config.max_num_seqs, kv_tokens_total=self._kv_tokens_total
+            )
+        num_running = min(self._tap.num_running, num_inflight)
+        kv_used = round(self._tap.kv_cache_usage * self._kv_tokens_total)
+        if not self._tap.updated_at:  # no stats yet: our own per-sequence estimate
+            kv_used = sum(acc.kv_tokens for acc in self._inflight.values())
+        return EngineLoad(
+            num_running=num_running,
+            num_waiting=num_inflight - num_running,
+            max_num_seqs=self.config.max_num_seqs,
+            kv_tokens_used=min(kv_used, self._kv_tokens_total),
+            kv_tokens_total=self._kv_tokens_total,
+        )
+
+    # --- requests -------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        """Abort by our (external) id; vLLM maps it to its suffixed internal ids and
+        the request's generate() stream ends with finish_reason "abort"."""
+        if self._llm is not None and request_id in self._inflight:
+            await self._llm.abort(request_id)
+
+    def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
+        return self._generate(item)
+
+    async def _generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        if llm is None:
+            raise EngineError("engine not started")
+        if llm.errored:
+            raise EngineDead("vLLM engine is dead")
+        req = item.request
+        prompt, tokenization_kwargs = self._build_prompt(item)
+        params = self._sampling_params(item)
+        request_id = req.request_id
+        if request_id in self._inflight:
+            raise EngineError(f"request {request_id} is already running", ErrorCode.INVALID_REQUEST)
+
+        acc = _Accounting()
+        self._inflight[request_id] = acc
+        stream = llm.generate(
+            prompt,
+            params,
+            request_id,
+            priority=item.engine_priority,
+            tokenization_kwargs=tokenization_kwargs,
+        )
+        finished = False
+        try:
+            async for out in stream:
+                now = time.monotonic()
+                if not acc.num_prompt and out.prompt_token_ids:
+                    acc.num_prompt = len(out.prompt_token_ids)
+                if out.num_cached_tokens:
+                    acc.num_cached = out.num_cached_tokens
+                comp = out.outputs[0] if out.outputs else None
+                token_ids = list(comp.token_ids) if comp is not None else []
+                acc.on_output(len(token_ids), now)
+                finish = comp.finish_reason if comp is not None else None
+                if finish is None and out.finished:
+                    finish = "abort"
+                text = (comp.text or "") if comp is not None else ""
+                if not token_ids and not text and finish is None:
+                    continue
+                finished = finish is not None
+                yield VllmDelta(
+                    text=text,
+                    token_ids=token_ids,
+                    finish_reason=finish,
+                    num_prompt_tokens=acc.num_prompt,
+                    num_cached_prompt_tokens=acc.num_cached,
+                    num_output_tokens=acc.num_output,
+                    kv_token_seconds=acc.kv_token_seconds,
+                    ttft_ms=acc.ttft_ms,
+                )
+                if finished:
+                    break
+        except EngineDeadError as exc:
+            raise EngineDead(f"vLLM engine died: {exc}") from exc
+        except EngineError:
+            raise
+        except (VLLMClientError, ValueError) as exc:  # the request's fault
+            raise self._map_validation_error(exc) from exc
+        except Exception as exc:
+            if llm.errored:
+                raise EngineDead(f"vLLM engine died: {exc}") from exc
+            cause = exc.__cause__  # EngineGenerateError wraps what went wrong
+            if isinstance(cause, VLLMClientError | ValueError):
+                raise self._map_validation_error(cause) from exc
+            raise EngineError(f"vLLM failed the request: {exc!r}") from exc
+        finally:
+            self._inflight.pop(request_id, None)
+            if not finished and not llm.errored:
+                # Our consumer went away (cancelled / aclose()): free the slot now
+                # rather than when the inner generator is garbage-collected.
+                try:
+                    await llm.abort(request_id)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+            await stream.aclose()
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _build_prompt(self, item: WorkItem) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        req = item.request
+        given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
+        if sum(given) != 1:
+            raise EngineError(
+                "exactly one of prompt, messages or prompt_token_ids must be set",
+                ErrorCode.INVALID_REQUEST,
+            )
+        tokenization_kwargs = None
+        if req.prompt_token_ids is not None:
+            ids = req.prompt_token_ids
+            if not ids:
+                raise EngineError("prompt_token_ids is empty", ErrorCode.INVALID_REQUEST)
+            self._check_prompt_len(len(ids))
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+        elif self.config.skip_tokenizer_init:
+            raise EngineError(
+                "this pool runs without a tokenizer (skip_tokenizer_init): "
+                "send prompt_token_ids, not prompt or messages",
+                ErrorCode.INVALID_REQUEST,
+            )
+        elif req.messages is not None:
+            if not req.messages:
+                raise EngineError("messages is empty", ErrorCode.INVALID_REQUEST)
+            prompt = {"prompt": render_chat(self._tokenizer, req.messages)}
+            # The template already placed any BOS / special tokens.
+            tokenization_kwargs = {"add_special_tokens": False}
+        else:
+            if not req.prompt:
+                raise EngineError("prompt is empty", ErrorCode.INVALID_REQUEST)
+            prompt = {"prompt": req.prompt}
+        if self.config.tenant_cache_salt:
+            prompt["cache_salt"] = item.cache_salt or req.tenant
+        return prompt, tokenization_kwargs
+
+    def _check_prompt_len(self, num_prompt_tokens: int) -> None:
+        # vLLM needs room for at least one output token.
+        if self._max_model_len and num_prompt_tokens >= self._max_model_len:
+            raise PromptTooLong(
+                f"prompt has {num_prompt_tokens} tokens; this model takes at most "
+                f"{self._max_model_len - 1} (max_model_len {self._max_model_len})"
+            )
+
+    def _sampling_params(self, item: WorkItem) -> Any:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        req = item.request
+        if req.stop and self.config.skip_tokenizer_init:
+            raise EngineError(
+                "stop strings need a tokenizer (skip_tokenizer_init is on)",
+                ErrorCode.INVALID_REQUEST,
+            )
+        try:
+            return SamplingParams(
+                n=1,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                max_tokens=req.max_tokens,
+                stop=list(req.stop) or None,
+                seed=req.seed,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=not self.config.skip_tokenizer_init,
+            )
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            raise EngineError(
+                f"invalid sampling parameters: {exc}", ErrorCode.INVALID_REQUEST
+            ) from exc
+
+    @staticmethod
+    def _map_validation_error(exc: BaseException) -> EngineError:
+        message = str(exc)
+        too_long = ("maximum model length", "maximum context length", "max_model_len")
+        if any(phrase in message for phrase in too_long):
+            return PromptTooLong(message)
+        return EngineError(message, ErrorCode.INVALID_REQUEST)

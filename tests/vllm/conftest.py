@@ -1,0 +1,73 @@
+"""One real vLLM-CPU engine per test session, on a tiny random-weight model.
+
+Starting vLLM costs ~30 s on two cores, so every test in tests/vllm shares this
+engine: tests use unique request ids and must leave it idle (nothing in flight)
+when they end.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from fairlane.protocol import ChatMessage, InferenceRequest, WorkItem
+from tests.vllm.tiny_model import write_tiny_model
+
+MAX_NUM_SEQS = 4
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine(tiny_model_dir):
+    pytest.importorskip("vllm")
+    # The CPU build sizes its KV cache from this (GiB); 1 is plenty for the tests.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from gpu_worker.vllm_engine import VllmEngine, VllmEngineConfig
+
+    engine = VllmEngine(
+        VllmEngineConfig(
+            model=str(tiny_model_dir),
+            max_num_seqs=MAX_NUM_SEQS,
+            max_model_len=MAX_MODEL_LEN,
+            dtype="float32",
+            enforce_eager=True,
+            load_format="dummy",
+        )
+    )
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+def make_item():
+    """WorkItem factory with a unique request id per call."""
+
+    def make(
+        *,
+        tenant: str = "tenant-a",
+        engine_priority: int = 0,
+        cache_salt: str | None = None,
+        messages: list[tuple[str, str]] | None = None,
+        **request_fields,
+    ) -> WorkItem:
+        if messages is not None:
+            request_fields["messages"] = [ChatMessage(role=r, content=c) for r, c in messages]
+        request = InferenceRequest(
+            request_id=f"r-{uuid.uuid4().hex[:12]}",
+            tenant=tenant,
+            pool="cpu",
+            tier="std",
+            reply_to="_INBOX.test",
+            **request_fields,
+        )
+        return WorkItem(request=request, engine_priority=engine_priority, cache_salt=cache_salt)
+
+    return make
