@@ -1,0 +1,171 @@
+"""The streamer's ASGI app: routes, lifespan, ops endpoints.
+
+``create_app(settings)`` connects everything in its lifespan; tests may pass their
+own ``client`` / ``limiter`` / ``tenants`` (those are then not closed by the app).
+
+Routes
+    POST /v1/completions, /v1/chat/completions   OpenAI-compatible (SSE when stream=true)
+    GET  /v1/models                              the pools of the tenants file
+    WS   /v1/stream                              websocket proxy (see streamer.schema)
+    GET  /healthz                                liveness: the process is serving
+    GET  /readyz                                 NATS connected and streams present
+    GET  /metrics                                Prometheus
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import nats
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, WebSocketRoute
+
+from fairlane.ratelimit import RateLimiter, UsageSettler
+from fairlane.tenants import TenantsWatcher
+from fairlane.validation import RequestLimits
+from producer.client import FairlaneClient
+from streamer.config import StreamerSettings
+from streamer.errors import METHOD_NOT_ALLOWED, NOT_FOUND, EdgeError
+from streamer.http_api import OpenAIApi, error_response, json_response
+from streamer.service import Edge
+from streamer.ws import websocket_endpoint
+
+log = structlog.get_logger(__name__)
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    state = request.app.state
+    client: FairlaneClient | None = getattr(state, "client", None)
+    checks: dict[str, bool] = {"nats": False, "streams": False}
+    if client is not None and client.nc.is_connected:
+        checks["nats"] = True
+        try:
+            for name in (client.subjects.requests_stream, client.subjects.usage_stream):
+                await asyncio.wait_for(client.js.stream_info(name), 1.0)
+            checks["streams"] = True
+        except Exception:  # not found, timeout, reconnecting: all "not ready"
+            pass
+    ready = all(checks.values())
+    limiter: RateLimiter | None = getattr(state, "limiter", None)
+    body = {
+        "status": "ready" if ready else "not_ready",
+        "checks": checks,
+        # Informational: the limiter fails open, so Redis never makes us unready.
+        "ratelimit_degraded": bool(limiter and limiter.degraded),
+    }
+    return json_response(body, 200 if ready else 503)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err = EdgeError(404, NOT_FOUND, f"no route for {request.url.path}")
+    elif exc.status_code == 405:
+        err = EdgeError(405, METHOD_NOT_ALLOWED, f"method {request.method} not allowed here")
+    else:
+        err = EdgeError(exc.status_code, "http_error", str(exc.detail))
+    return error_response(err)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled_error", path=request.url.path, error=repr(exc))
+    return error_response(EdgeError(500, "internal", "internal error", type_="server_error"))
+
+
+def create_app(
+    settings: StreamerSettings,
+    *,
+    client: FairlaneClient | None = None,
+    limiter: RateLimiter | None = None,
+    tenants: TenantsWatcher | None = None,
+) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state = app.state
+        own_client = client is None
+        own_limiter = limiter is None
+        c = client
+        if c is None:
+            nc = await nats.connect(settings.nats_url, name="fairlane-streamer",
+                                    max_reconnect_attempts=-1)
+            c = FairlaneClient(
+                nc,
+                prefix=settings.prefix,
+                owner=settings.owner or None,
+                limits=RequestLimits(),
+                max_buffered_chunks=settings.max_buffered_chunks,
+                owns_connection=True,
+            )
+            await c.start()
+        lim = limiter
+        if lim is None:
+            lim = (RateLimiter.from_url(settings.redis_url, key_prefix=settings.prefix)
+                   if settings.redis_url else RateLimiter(None, key_prefix=settings.prefix))
+        watcher = tenants or TenantsWatcher(settings.tenants_file or None)
+        edge = Edge(
+            c,
+            lim,
+            watcher,
+            default_max_tokens=settings.default_max_tokens,
+            anonymous_tenant=settings.anonymous_tenant,
+            tenants_reload_s=settings.tenants_reload_s,
+        )
+        settler = None
+        if settings.usage_settler:
+            settler = UsageSettler(c.js, c.subjects, lim, durable=settings.settler_durable)
+            await settler.start()
+        state.settings, state.client, state.limiter, state.edge = settings, c, lim, edge
+        state.settler = settler
+        api = OpenAIApi(edge, settings.max_body_bytes)
+        state.api = api
+        log.info("streamer_started", prefix=settings.prefix, inbox=c.inbox)
+        try:
+            yield
+        finally:
+            if settler is not None:
+                await settler.stop()
+            await edge.aclose()
+            if own_client:
+                await c.close()
+            if own_limiter:
+                await lim.close()
+            log.info("streamer_stopped")
+
+    async def completions(request: Request) -> Response:
+        return await request.app.state.api.completions(request)
+
+    async def chat_completions(request: Request) -> Response:
+        return await request.app.state.api.chat_completions(request)
+
+    async def models(request: Request) -> Response:
+        return await request.app.state.api.models(request)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        WebSocketRoute("/v1/stream", websocket_endpoint),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_exception, Exception: _internal_error},
+    )

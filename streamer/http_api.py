@@ -1,0 +1,317 @@
+"""OpenAI-compatible HTTP: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Non-streaming answers are one JSON body; ``"stream": true`` answers Server-Sent
+Events, one ``data: {chunk}`` per token chunk, ending with ``data: [DONE]``. An error
+after the stream started is one ``data: {"error": {...}}`` event (OpenAI's SDKs raise
+it as an APIError) and no ``[DONE]``. A client that goes away cancels its request
+upstream; one too slow to read (its per-request buffer of ``max_buffered_chunks``
+overflowed) gets the ``slow_consumer`` error event and its request is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import structlog
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from fairlane.protocol import ChatMessage, ErrorCode
+from producer.client import RequestError, RequestStream
+from streamer import metrics
+from streamer.errors import BODY_TOO_LARGE, EdgeError, validation_message
+from streamer.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_chat,
+    decode_completion,
+    message_text,
+)
+from streamer.service import Edge, Principal, Submission, usage_dict
+
+log = structlog.get_logger(__name__)
+
+_json = msgspec.json.Encoder()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(body: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(_json.encode(body), status, headers, media_type="application/json")
+
+
+def error_response(err: EdgeError) -> Response:
+    return json_response(err.openai_body(), err.status, err.headers())
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    too_big = EdgeError(
+        413, BODY_TOO_LARGE, f"request body is larger than the limit of {max_bytes} bytes"
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > max_bytes:
+                raise too_big
+        except ValueError:
+            raise EdgeError.invalid("invalid Content-Length header") from None
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise too_big
+    return bytes(body)
+
+
+def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    if not body.strip():
+        raise EdgeError.invalid("request body is empty: expected a JSON object")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
+        msg, param = validation_message(exc)
+        raise EdgeError.invalid(f"invalid request: {msg}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise EdgeError.invalid(f"request body is not valid JSON: {exc}") from None
+
+
+def completion_submission(req: CompletionRequest) -> Submission:
+    if req.echo:
+        raise EdgeError.invalid("echo is not supported", param="echo")
+    sub = _common_submission(req)
+    p = req.prompt
+    if isinstance(p, str):
+        sub.prompt = p
+    elif all(isinstance(x, int) for x in p):
+        sub.prompt_token_ids = list(p)  # type: ignore[arg-type]
+    elif len(p) == 1 and isinstance(p[0], str):
+        sub.prompt = p[0]
+    else:
+        raise EdgeError.invalid(
+            "prompt must be a string, a list of one string, or a list of token ids",
+            param="prompt",
+        )
+    if sub.prompt is not None and not sub.prompt.strip():
+        raise EdgeError.invalid("prompt is empty", param="prompt")
+    return sub
+
+
+def chat_submission(req: ChatCompletionRequest) -> Submission:
+    if req.logprobs:
+        raise EdgeError.invalid("logprobs are not supported", param="logprobs")
+    sub = _common_submission(req)
+    if req.max_completion_tokens is not None:
+        sub.max_tokens = req.max_completion_tokens
+    try:
+        sub.messages = [ChatMessage(role=m.role, content=message_text(m)) for m in req.messages]
+    except ValueError as exc:
+        raise EdgeError.invalid(str(exc), param="messages") from None
+    if not any(m.content.strip() for m in sub.messages):
+        raise EdgeError.invalid("messages have no content", param="messages")
+    return sub
+
+
+def _common_submission(req: CompletionRequest | ChatCompletionRequest) -> Submission:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return Submission(
+        model=req.model,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=stop,
+        seed=req.seed,
+        priority=req.priority,
+        ttft_budget_ms=req.ttft_budget_ms,
+    )
+
+
+def _finish(reason: str | None) -> str:
+    # OpenAI knows stop/length; anything else the engine says ends as "stop".
+    return reason if reason in ("stop", "length") else "stop"
+
+
+class OpenAIApi:
+    def __init__(self, edge: Edge, max_body_bytes: int) -> None:
+        self.edge = edge
+        self.max_body_bytes = max_body_bytes
+
+    def principal(self, request: Request) -> Principal:
+        return self.edge.authenticate(request.headers.get("authorization"))
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.principal(request)
+        except EdgeError as err:
+            return error_response(err)
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "fairlane"}
+            for m in self.edge.models()
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            principal = self.principal(request)
+            body = await read_body(request, self.max_body_bytes)
+            if chat:
+                req: Any = decode_body(decode_chat, body)
+                sub = chat_submission(req)
+            else:
+                req = decode_body(decode_completion, body)
+                sub = completion_submission(req)
+            started = time.monotonic()
+            stream = await self.edge.start(principal, sub, endpoint)
+        except EdgeError as err:
+            return error_response(err)
+        meta = _Meta(
+            id=("chatcmpl-" if chat else "cmpl-") + stream.request_id,
+            model=req.model,
+            chat=chat,
+            tenant=principal.tenant,
+            tier=principal.tier,
+            started=started,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
+        if req.stream:
+            return StreamingResponse(
+                self._sse(stream, meta), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        return await self._whole(request, stream, meta)
+
+    async def _whole(self, request: Request, stream: RequestStream, meta: _Meta) -> Response:
+        collect = asyncio.ensure_future(stream.collect())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        metrics.ACTIVE.labels(meta.endpoint).inc()
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                collect.cancel()
+                metrics.CLIENT_GONE.labels(meta.tenant, "http").inc()
+                await stream.cancel("client_gone")
+                return Response(status_code=499)
+            try:
+                done = collect.result()
+            except RequestError as exc:
+                return error_response(EdgeError.from_info(exc.error))
+        finally:
+            gone.cancel()
+            metrics.ACTIVE.labels(meta.endpoint).dec()
+        metrics.TOKENS.labels(meta.tenant).inc(done.usage.completion_tokens if done.usage else 0)
+        usage = usage_dict(done.usage) or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        if meta.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text},
+                "logprobs": None,
+                "finish_reason": _finish(done.finish_reason),
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": done.text,
+                "logprobs": None,
+                "finish_reason": _finish(done.finish_reason),
+            }
+            obj = "text_completion"
+        return json_response(
+            {
+                "id": meta.id,
+                "object": obj,
+                "created": meta.created,
+                "model": meta.model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
+
+    async def _sse(self, stream: RequestStream, meta: _Meta) -> AsyncIterator[bytes]:
+        finished = False
+        first = True
+        tokens = metrics.TOKENS.labels(meta.tenant)
+        metrics.ACTIVE.labels(meta.endpoint).inc()
+        try:
+            if meta.chat:
+                yield meta.event({"role": "assistant", "content": ""}, None)
+            async for chunk in stream:
+                if first:
+                    first = False
+                    metrics.TTFT.labels(meta.tier).observe(time.monotonic() - meta.started)
+                if chunk.num_tokens:
+                    tokens.inc(chunk.num_tokens)
+                if chunk.text:
+                    yield meta.event(chunk.text, None)
+                if chunk.finish_reason is not None:
+                    finished = True
+                    yield meta.event("", _finish(chunk.finish_reason))
+                    if meta.include_usage:
+                        yield meta.usage_event(usage_dict(chunk.usage))
+            finished = True
+            yield b"data: [DONE]\n\n"
+        except RequestError as exc:
+            finished = True  # the stream is over (the client lib cancels what it must)
+            if exc.error.code == ErrorCode.SLOW_CONSUMER:
+                metrics.SLOW_CONSUMERS.labels(meta.tenant, "sse").inc()
+            err = EdgeError.from_info(exc.error)
+            yield b"data: " + _json.encode(err.openai_body()) + b"\n\n"
+        finally:
+            metrics.ACTIVE.labels(meta.endpoint).dec()
+            if not finished and not stream.is_done:
+                # Client went away mid-stream (we are being cancelled): cancel upstream
+                # from a task of its own, since awaiting here would be cancelled too.
+                metrics.CLIENT_GONE.labels(meta.tenant, "sse").inc()
+                self.edge.spawn(stream.cancel("client_gone"))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Meta:
+    __slots__ = ("id", "model", "chat", "tenant", "tier", "started", "created", "include_usage")
+
+    def __init__(self, *, id: str, model: str, chat: bool, tenant: str, tier: str,
+                 started: float, include_usage: bool) -> None:
+        self.id = id
+        self.model = model
+        self.chat = chat
+        self.tenant = tenant
+        self.tier = tier
+        self.started = started
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.chat else "completions"
+
+    def event(self, delta: Any, finish: str | None) -> bytes:
+        if self.chat:
+            d = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            choice: dict = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        return b"data: " + _json.encode(body) + b"\n\n"
+
+    def usage_event(self, usage: dict | None) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage}
+        return b"data: " + _json.encode(body) + b"\n\n"

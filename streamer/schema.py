@@ -1,0 +1,192 @@
+"""Client-facing request schemas: OpenAI-compatible HTTP bodies and websocket frames.
+
+These are *not* NATS wire messages (those live in `fairlane/protocol.py`); they are
+what a public client sends and receives. Unknown fields are refused, so a typo in a
+parameter name is a 400 that names it, never a silently ignored setting.
+
+Websocket protocol on ``/v1/stream`` (JSON text frames; several requests may be in
+flight on one socket, each keyed by the client's own ``id``):
+
+client -> server
+    {"type": "request", "id": "c1", "model": "default", "prompt": "..." | "messages": [...],
+     "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "stop": [], "seed": null,
+     "priority": 0, "ttft_budget_ms": null, "return_token_ids": false}
+    {"type": "cancel", "id": "c1"}
+server -> client
+    {"type": "accepted", "id": "c1", "request_id": "<fleet request id>"}
+    {"type": "token", "id": "c1", "seq": 0, "text": "...", "num_tokens": 1,
+     "token_ids": [..]}                                  (token_ids only if asked for)
+    {"type": "end", "id": "c1", "finish_reason": "stop" | "length" | "cancelled" | ...,
+     "usage": {"prompt_tokens": n, "completion_tokens": n, "total_tokens": n} | null}
+    {"type": "error", "id": "c1" | null, "error": {"code": "...", "message": "...",
+     "retryable": bool, "retry_after_ms": n | null}}   (id null: frame-level error)
+
+Every request ends with exactly one ``end`` or ``error`` frame, unless the socket closes.
+
+Websocket close codes (server -> client):
+    1000  normal closure
+    1012  server restarting / shutting down (sent by uvicorn; requests are cancelled upstream)
+    1009  frame too large (over max_body_bytes)
+    4001  unauthorized (only if the server cannot refuse the handshake with HTTP 401)
+    4008  slow consumer: the client did not read its frames fast enough; every request
+          on the socket was cancelled upstream. Reason text says which limit was hit.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+CLOSE_NORMAL = 1000
+CLOSE_SERVICE_RESTART = 1012
+CLOSE_TOO_BIG = 1009
+CLOSE_UNAUTHORIZED = 4001
+CLOSE_SLOW_CONSUMER = 4008
+
+MaxTokens = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Priority = Annotated[int, Meta(ge=-1000, le=1000)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+BudgetMs = Annotated[int, Meta(ge=1, le=3_600_000)]
+ModelName = Annotated[str, Meta(min_length=1, max_length=64)]
+ClientId = Annotated[str, Meta(min_length=1, max_length=128)]
+StopList = Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=8)]
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: ModelName
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    stop: Annotated[str, Meta(min_length=1, max_length=256)] | StopList | None = None
+    seed: Seed | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1  # one choice per request
+    user: Annotated[str, Meta(max_length=256)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None  # unsupported
+    frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None  # unsupported
+    # fairlane extensions
+    priority: Priority = 0
+    ttft_budget_ms: BudgetMs | None = None
+
+
+class CompletionRequest(_Common):
+    # A string, a one-element list of strings, or a list of token ids.
+    prompt: str | Annotated[list[str | Annotated[int, Meta(ge=0)]], Meta(min_length=1)]
+    echo: bool = False
+    logprobs: None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1, max_length=1024)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+
+
+class WsRequest(Struct, kw_only=True, forbid_unknown_fields=True, tag="request", tag_field="type"):
+    id: ClientId
+    model: ModelName | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1, max_length=1024)] | None = None
+    prompt_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    stop: StopList = []
+    seed: Seed | None = None
+    priority: Priority = 0
+    ttft_budget_ms: BudgetMs | None = None
+    return_token_ids: bool = False
+
+
+class WsCancel(Struct, kw_only=True, forbid_unknown_fields=True, tag="cancel", tag_field="type"):
+    id: ClientId
+
+
+ClientFrame = WsRequest | WsCancel
+
+decode_client_frame = msgspec.json.Decoder(ClientFrame)
+decode_completion = msgspec.json.Decoder(CompletionRequest)
+decode_chat = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+# --- server -> client frames --------------------------------------------------------
+
+
+class UsageOut(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AcceptedFrame(Struct, kw_only=True, tag="accepted", tag_field="type"):
+    id: str
+    request_id: str
+
+
+class TokenFrame(Struct, kw_only=True, omit_defaults=True, tag="token", tag_field="type"):
+    id: str
+    seq: int
+    text: str
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+
+
+class EndFrame(Struct, kw_only=True, tag="end", tag_field="type"):
+    id: str
+    finish_reason: str
+    usage: UsageOut | None = None
+
+
+class ErrorBody(Struct, kw_only=True):
+    code: str
+    message: str
+    retryable: bool = False
+    retry_after_ms: int | None = None
+
+
+class ErrorFrame(Struct, kw_only=True, tag="error", tag_field="type"):
+    id: str | None
+    error: ErrorBody
+
+
+ServerFrame = AcceptedFrame | TokenFrame | EndFrame | ErrorFrame
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_frame(frame: Struct) -> str:
+    return _encoder.encode(frame).decode()
+
+
+def message_text(m: ChatMessageIn) -> str:
+    """The text of a chat message; only text content parts are supported."""
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    out = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise ValueError(f"unsupported content part type {part.type!r}: only 'text' is supported")
+        out.append(part.text)
+    return "".join(out)
