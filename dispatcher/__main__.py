@@ -12,26 +12,18 @@ from dispatcher.service import Dispatcher
 from fairlane.logs import configure_logging
 from fairlane.runtime import run
 from fairlane.settings import load_settings
+from fairlane.tenants import TenantsWatcher
 
 log = structlog.get_logger("dispatcher")
-
-
-def scheduler_config_for(settings: DispatcherSettings):
-    """The pool's scheduler config from the tenants file, or built-in defaults."""
-    try:
-        from fairlane.tenants import default_tenants, load_tenants
-    except ImportError:  # tenants support not present: defaults
-        return None
-    tenants = load_tenants(settings.tenants_file) if settings.tenants_file else default_tenants()
-    return tenants.scheduler_config(settings.pool)
 
 
 async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> int:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port, addr="127.0.0.1")
-    dispatcher = Dispatcher(settings, scheduler_config_for(settings))
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+    tenants = TenantsWatcher(settings.tenants_file or None)  # bad file: fail at start
+    dispatcher = Dispatcher(settings, tenants=tenants)
     await dispatcher.start()
     await stop.wait()
     log.info("stopping", reason="signal")

@@ -27,5 +27,6 @@ class DispatcherSettings(msgspec.Struct, kw_only=True):
     max_tokens: int = 4096
     max_prompt_chars: int = 200_000
     metrics_port: int = 0  # 0 = no /metrics endpoint
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for Prometheus
     log_level: str = "info"
     log_json: bool = True
