@@ -26,7 +26,7 @@ from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
 from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.core import Scheduler
-from dispatcher.scheduler.types import ActualUsage, QueuedRequest, Verdict
+from dispatcher.scheduler.types import ActualUsage, Dropped, QueuedRequest, Verdict
 from dispatcher.workers import WorkerRegistry
 from fairlane.protocol import (
     ErrorCode,
@@ -34,6 +34,7 @@ from fairlane.protocol import (
     Finished,
     Heartbeat,
     InferenceRequest,
+    PoolInfo,
     ProtocolError,
     PullRequest,
     Requeue,
@@ -43,6 +44,7 @@ from fairlane.protocol import (
     WorkItem,
     decode_cancel,
     decode_event,
+    decode_pool_info_request,
     decode_pull,
     decode_request,
     encode,
@@ -51,6 +53,7 @@ from fairlane.protocol import (
 from fairlane.runtime import now_ms
 from fairlane.streams import ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
+from fairlane.tenants import TenantsWatcher
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -82,23 +85,23 @@ class Dispatcher:
     settings: DispatcherSettings
     scheduler_config: SchedulerConfig | None = None
     nc: nats.NATS | None = None
+    # The tenants file, re-read on change: tenants, weights and quotas apply live.
+    tenants: TenantsWatcher | None = None
     subjects: Subjects = field(init=False)
     scheduler: Scheduler = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
         self.subjects = Subjects(s.prefix)
-        cfg = self.scheduler_config or SchedulerConfig(policy=s.policy or "drr")
+        if self.scheduler_config is None and self.tenants is not None:
+            self.scheduler_config = self.tenants.current.scheduler_config(s.pool)
+        cfg = self.scheduler_config or SchedulerConfig(policy="drr")
         if s.policy:
             cfg.policy = s.policy
-        try:
-            self.scheduler = Scheduler(cfg)
-        except ValueError:
-            # Policy not available in this build: fall back to fifo, loudly.
-            log.error("policy_unavailable", policy=cfg.policy, fallback="fifo")
-            cfg.policy = "fifo"
-            self.scheduler = Scheduler(cfg)
-        self.limits = RequestLimits(max_tokens=s.max_tokens, max_prompt_chars=s.max_prompt_chars)
+        self.scheduler = Scheduler(cfg)  # ValueError on an unknown policy: fail at start
+        self.limits = self._limits()
+        self._reload_every_ms = 2_000.0
+        self._next_reload_ms = 0.0
         self.workers = WorkerRegistry(s.worker_timeout_ms)
         self._held: dict[str, Held] = {}
         # Held messages in the order they were last touched: the keep-alive pass only
@@ -110,6 +113,16 @@ class Dispatcher:
         self._subs: list = []
         self._stopping = False
         self.ready = asyncio.Event()
+
+    def _limits(self) -> RequestLimits:
+        s = self.settings
+        base = RequestLimits(max_tokens=s.max_tokens, max_prompt_chars=s.max_prompt_chars)
+        if self.tenants is None:
+            return base
+        try:
+            return self.tenants.current.request_limits(s.pool, base)
+        except KeyError:
+            return base
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -123,11 +136,14 @@ class Dispatcher:
         await ensure_streams(self.js, self.subjects)
         for tier in self.scheduler.config.tiers:
             sub = await self._consumer(tier.name)
+            self._subs.append(sub)
             self._tasks.append(asyncio.create_task(self._fetch_loop(tier.name, sub)))
         self._subs.append(await self.nc.subscribe(
             self.subjects.work(s.pool), queue="dispatchers", cb=self._on_pull))
         self._subs.append(await self.nc.subscribe(self.subjects.events(s.pool), cb=self._on_event))
         self._subs.append(await self.nc.subscribe(self.subjects.cancel(s.pool), cb=self._on_cancel))
+        self._subs.append(await self.nc.subscribe(
+            self.subjects.info(s.pool), queue="dispatchers", cb=self._on_info))
         self._tasks.append(asyncio.create_task(self._match_loop()))
         self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
         self.ready.set()
@@ -169,7 +185,11 @@ class Dispatcher:
             if held is not None:
                 await self._settle(held, "nak")
         if self.nc is not None:
-            await self.nc.drain()
+            # Not drain(): naks may already be redelivered into the (closed) pull
+            # subscriptions' inboxes, and drain would wait on them for its timeout.
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+            await self.nc.close()
         log.info("dispatcher_stopped")
 
     # --- ingest ------------------------------------------------------------------------
@@ -207,6 +227,13 @@ class Dispatcher:
                     ErrorCode.INVALID_REQUEST,
                 )
             check_request(req, self.limits)
+            tcfg = self.scheduler.tenant_config(req.tenant)
+            if tcfg is not None and tcfg.tier != req.tier:
+                # The subject's tier is the client's claim; the tenants file decides.
+                raise ProtocolError(
+                    f"tenant {req.tenant!r} is in tier {tcfg.tier!r}, not {req.tier!r}",
+                    ErrorCode.INVALID_REQUEST,
+                )
         except ProtocolError as exc:
             rid, reply = peek_reply_fields(msg.data)
             if reply is None and msg.headers:
@@ -358,6 +385,12 @@ class Dispatcher:
         w = self.workers.seen(hb.worker_id, now)
         w.num_running, w.num_waiting = hb.load.num_running, hb.load.num_waiting
         w.kv_tokens_used, w.kv_tokens_total = hb.load.kv_tokens_used, hb.load.kv_tokens_total
+        for rid in hb.in_flight_ids:
+            # After a dispatcher restart JetStream redelivers requests that a worker
+            # already holds: adopt them as in flight instead of dispatching them again.
+            if self.scheduler.adopt(rid, now):
+                self.workers.assign(rid, hb.worker_id, now)
+                log.info("request_adopted", request_id=rid, worker_id=hb.worker_id)
         missing = self.workers.heartbeat(hb.worker_id, hb.in_flight_ids, now,
                                          hb.interval_ms, hb.draining)
         for rid in missing:
@@ -390,6 +423,24 @@ class Dispatcher:
                                    ErrorInfo.of(ErrorCode.CANCELLED, f"cancelled: {cancel.reason}"))
             await self._settle(held, "term")
 
+    async def _on_info(self, msg: Msg) -> None:
+        """Answer a producer's question: which tier is this tenant in, what limits?"""
+        if not msg.reply:
+            return
+        try:
+            tenant = decode_pool_info_request(msg.data).tenant
+        except ProtocolError as exc:
+            log.warning("bad_info_request", error=exc.message)
+            tenant = ""
+        tcfg = self.scheduler.tenant_config(tenant) if tenant else None
+        info = PoolInfo(
+            pool=self.settings.pool, tiers=[t.name for t in self.scheduler.config.tiers],
+            tenant=tenant, tier=tcfg.tier if tcfg else None,
+            max_tokens=self.limits.max_tokens, max_prompt_tokens=self.limits.max_prompt_tokens,
+            max_prompt_chars=self.limits.max_prompt_chars,
+        )
+        await self.nc.publish(msg.reply, encode(info))
+
     # --- housekeeping ------------------------------------------------------------------
 
     async def _housekeeping_loop(self) -> None:
@@ -405,17 +456,41 @@ class Dispatcher:
 
     async def _housekeeping(self, now: float) -> None:
         for dropped in self.scheduler.expire(now):
-            held = self._held.get(dropped.request.request_id)
-            metrics.REJECTED.labels(reason=dropped.code.value).inc()
-            if held is not None:
-                await self._send_error(held.request.reply_to, dropped.request.request_id,
-                                       ErrorInfo.of(dropped.code, dropped.message,
-                                                    dropped.retry_after_ms))
-                await self._settle(held, "term")
+            await self._drop(dropped)
+        for dropped in self.scheduler.shed(now):
+            await self._drop(dropped)
         for w in self.workers.dead_workers(now):
             await self._worker_lost(w.worker_id, w.request_ids, now)
         await self._keep_alive(now)
+        if self.tenants is not None and now >= self._next_reload_ms:
+            self._next_reload_ms = now + self._reload_every_ms
+            self._reload_tenants()
         metrics.observe_scheduler(self.scheduler)
+
+    async def _drop(self, dropped: Dropped) -> None:
+        """A queued request the core removed (expired, shed): tell the client, term it."""
+        metrics.REJECTED.labels(reason=dropped.code.value).inc()
+        held = self._held.get(dropped.request.request_id)
+        if held is not None:
+            await self._send_error(held.request.reply_to, dropped.request.request_id,
+                                   ErrorInfo.of(dropped.code, dropped.message,
+                                                dropped.retry_after_ms))
+            await self._settle(held, "term")
+
+    def _reload_tenants(self) -> None:
+        try:
+            changed = self.tenants.maybe_reload()
+        except Exception as exc:  # the watcher keeps the old config; never stop serving
+            log.warning("tenants_reload_failed", error=str(exc))
+            return
+        if not changed:
+            return
+        try:
+            self.scheduler.update_config(self.tenants.current.scheduler_config(self.settings.pool))
+            self.limits = self._limits()
+            log.info("tenants_applied", pool=self.settings.pool)
+        except (KeyError, ValueError) as exc:
+            log.error("tenants_not_applied", error=str(exc), hint="restart the dispatcher")
 
     async def _worker_lost(self, worker_id: str, request_ids: set[str], now: float) -> None:
         log.warning("worker_lost", worker_id=worker_id, num_requests=len(request_ids))

@@ -29,6 +29,8 @@ from fairlane.protocol import ProtocolError, decode_event
 from fairlane.settings import load_settings
 from fairlane.subjects import Subjects
 
+DEMO_TENANTS = Path(__file__).with_name("demo_tenants.yaml")
+
 
 class UpSettings(msgspec.Struct, kw_only=True):
     data_dir: str = ".fairlane"  # nats store and logs
@@ -42,7 +44,7 @@ class UpSettings(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 32
     time_scale: float = 1.0  # simulator speed-up (tests and demos)
     cost_model: str = "default"
-    tenants_file: str = ""
+    tenants_file: str = ""  # empty: the packaged demo file (demo API keys, see README)
     policy: str = ""  # override the pool's policy (fifo | drr | vtc)
     redis: bool = True
     streamer: bool = True
@@ -81,6 +83,8 @@ class Fleet:
 
     def start(self) -> None:
         s = self.s
+        if not s.tenants_file:
+            s.tenants_file = str(DEMO_TENANTS)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.nats = NatsServer(
             store_dir=str(self.data_dir / "nats"),
@@ -195,10 +199,13 @@ def cmd_up(argv: list[str]) -> int:
         if getattr(fleet, "http_port", None):
             port_line = (f"  HTTP (OpenAI API): http://127.0.0.1:{fleet.http_port}/v1  "
                          f"websocket: ws://127.0.0.1:{fleet.http_port}/v1/stream\n")
+            if s.tenants_file == str(DEMO_TENANTS):
+                port_line += "  demo API keys: sk-acme-demo, sk-globex-demo, sk-hobbyist-demo\n"
         print(
             f"fairlane is up: {s.workers} {s.engine} worker(s), pool {s.pool!r}\n"
             f"  NATS: {fleet.nats.url}\n{port_line}"
             f"  logs: {fleet.data_dir / 'logs'}\n"
+            f"  tenants: {s.tenants_file}\n"
             f"try:  python -m producer --nats-url {fleet.nats.url} --tenant acme "
             f"--prompt 'hello' --max-tokens 32\n"
             f"Ctrl-C stops everything.",

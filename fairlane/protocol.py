@@ -245,6 +245,25 @@ class Cancel(Struct, kw_only=True, omit_defaults=True):
     reason: str = "client_gone"
 
 
+# --- pool info: producer -> dispatcher on fl.info.<pool> --------------------------------
+
+
+class PoolInfoRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    tenant: TenantId
+
+
+class PoolInfo(Struct, kw_only=True, omit_defaults=True):
+    """What a producer needs to publish correctly: the tenant's tier and the limits."""
+
+    pool: str
+    tiers: list[str] = []
+    tenant: str = ""
+    tier: str | None = None  # None: the tenant may not use this pool
+    max_tokens: int = 0
+    max_prompt_tokens: int = 0
+    max_prompt_chars: int = 0
+
+
 # --- codecs ---------------------------------------------------------------------------
 
 _encoder = msgspec.json.Encoder()
@@ -280,6 +299,8 @@ decode_chunk = _Decoder(TokenChunk, "TokenChunk")
 decode_event = _Decoder(WorkerEvent, "WorkerEvent")
 decode_cancel = _Decoder(Cancel, "Cancel")
 decode_usage = _Decoder(Usage, "Usage")
+decode_pool_info_request = _Decoder(PoolInfoRequest, "PoolInfoRequest")
+decode_pool_info = _Decoder(PoolInfo, "PoolInfo")
 
 
 def peek_reply_fields(data: bytes) -> tuple[str | None, str | None]:

@@ -75,6 +75,9 @@ class Subjects:
     def cancel(self, pool: str) -> str:
         return f"{self.prefix}.cancel.{check_id('pool', pool)}"
 
+    def info(self, pool: str) -> str:
+        return f"{self.prefix}.info.{check_id('pool', pool)}"
+
     def usage(self, tenant: str) -> str:
         return f"{self.prefix}.usage.{check_id('tenant', tenant)}"
 

@@ -20,7 +20,7 @@ from producer.config import ProducerSettings
 
 def _submit_kwargs(s: ProducerSettings) -> dict:
     return dict(
-        tenant=s.tenant, pool=s.pool, tier=s.tier, prompt=s.prompt, max_tokens=s.max_tokens,
+        tenant=s.tenant, pool=s.pool, tier=s.tier or None, prompt=s.prompt, max_tokens=s.max_tokens,
         temperature=s.temperature, priority=s.priority, seed=s.seed,
         ttft_budget_ms=s.ttft_budget_ms,
         deadline_ms=now_ms() + int(s.deadline_s * 1000) if s.deadline_s else None,

@@ -29,10 +29,13 @@ from fairlane.protocol import (
     ErrorCode,
     ErrorInfo,
     InferenceRequest,
+    PoolInfo,
+    PoolInfoRequest,
     ProtocolError,
     TokenChunk,
     Usage,
     decode_chunk,
+    decode_pool_info,
     encode,
 )
 from fairlane.runtime import now_ms
@@ -181,6 +184,11 @@ class FairlaneClient:
         self._streams: dict[str, RequestStream] = {}
         self._sub = None
         self._bg: set[asyncio.Task] = set()
+        # (pool, tenant) -> (expires monotonic s, PoolInfo | None): the dispatcher's
+        # answer on the tenant's tier and the pool's limits, cached briefly so tenants
+        # file edits reach producers within `info_ttl_s`.
+        self._info: dict[tuple[str, str], tuple[float, PoolInfo | None]] = {}
+        self.info_ttl_s = 10.0
         self.num_malformed_chunks = 0
 
     @classmethod
@@ -247,7 +255,7 @@ class FairlaneClient:
         *,
         tenant: str,
         pool: str = "default",
-        tier: str = "standard",
+        tier: str | None = None,
         prompt: str | None = None,
         messages: Sequence[ChatMessage] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
@@ -265,10 +273,13 @@ class FairlaneClient:
     ) -> RequestStream:
         """Validate and publish one request; returns its token stream.
 
+        `tier` defaults to the tenant's tier as the pool's dispatcher knows it.
         Raises `RequestError` if the request is invalid or the fleet refuses it
         (e.g. ``queue_full`` when the tenant's queue cap is reached).
         """
         rid = request_id or uuid.uuid4().hex
+        if tier is None:
+            tier = await self.resolve_tier(pool, tenant)
         try:
             req = InferenceRequest(
                 request_id=rid, tenant=tenant, pool=pool, tier=tier,
@@ -286,12 +297,65 @@ class FairlaneClient:
             raise RequestError(ErrorInfo.of(ErrorCode.INVALID_REQUEST, str(exc))) from None
         return await self.submit_request(req)
 
+    async def pool_info(self, pool: str, tenant: str) -> PoolInfo | None:
+        """The pool dispatcher's view of `tenant` (cached), or None if no dispatcher
+        answers (requests can still be published: JetStream keeps them)."""
+        key = (pool, tenant)
+        now = asyncio.get_running_loop().time()
+        hit = self._info.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        info: PoolInfo | None = None
+        try:
+            msg = await self.nc.request(
+                self.subjects.info(pool), encode(PoolInfoRequest(tenant=tenant)), timeout=1.0)
+            info = decode_pool_info(msg.data)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, ProtocolError):
+            info = None
+        self._info[key] = (now + (self.info_ttl_s if info else 1.0), info)
+        return info
+
+    async def resolve_tier(self, pool: str, tenant: str) -> str:
+        try:
+            self.subjects.request(pool, "t", tenant)  # validates the ids first
+        except ProtocolError as exc:
+            raise RequestError(ErrorInfo.of(exc.code, exc.message)) from None
+        info = await self.pool_info(pool, tenant)
+        if info is None:
+            raise RequestError(ErrorInfo.of(
+                ErrorCode.OVERLOADED,
+                f"no dispatcher answers for pool {pool!r}: pass tier= explicitly to queue "
+                f"the request anyway", retry_after_ms=1_000))
+        if info.tier is None:
+            raise RequestError(ErrorInfo.of(
+                ErrorCode.UNKNOWN_TENANT, f"tenant {tenant!r} may not use pool {pool!r}"))
+        return info.tier
+
     async def submit_request(self, req: InferenceRequest) -> RequestStream:
         """Publish a prepared request (its reply_to is pointed at this client)."""
         req.reply_to = f"{self.inbox}.{req.request_id}"
         try:
             subject = self.subjects.request(req.pool, req.tier, req.tenant)
-            check_request(req, self.limits)
+        except ProtocolError as exc:
+            raise RequestError(ErrorInfo.of(exc.code, exc.message)) from None
+        info = await self.pool_info(req.pool, req.tenant)
+        limits = self.limits
+        if info is not None:
+            if info.tier is None:
+                raise RequestError(ErrorInfo.of(
+                    ErrorCode.UNKNOWN_TENANT,
+                    f"tenant {req.tenant!r} may not use pool {req.pool!r}"))
+            if info.tier != req.tier:
+                raise RequestError(ErrorInfo.of(
+                    ErrorCode.INVALID_REQUEST,
+                    f"tenant {req.tenant!r} is in tier {info.tier!r}, not {req.tier!r}"))
+            limits = RequestLimits(
+                max_tokens=info.max_tokens or limits.max_tokens,
+                max_prompt_chars=info.max_prompt_chars or limits.max_prompt_chars,
+                max_prompt_tokens=info.max_prompt_tokens or limits.max_prompt_tokens,
+            )
+        try:
+            check_request(req, limits)
         except ProtocolError as exc:
             raise RequestError(ErrorInfo.of(exc.code, exc.message)) from None
         if req.request_id in self._streams:
@@ -310,7 +374,7 @@ class FairlaneClient:
         except APIError as exc:
             self._forget(req.request_id)
             raise RequestError(_publish_error(exc)) from None
-        except Exception:
+        except BaseException:  # incl. cancellation mid-publish: never leak the entry
             self._forget(req.request_id)
             raise
         return stream

@@ -8,9 +8,9 @@ import msgspec
 class ProducerSettings(msgspec.Struct, kw_only=True):
     nats_url: str = "nats://127.0.0.1:4222"
     prefix: str = "fl"
-    tenant: str = "demo"
+    tenant: str = "acme"
     pool: str = "default"
-    tier: str = "standard"
+    tier: str = ""  # empty: the tenant's tier, asked of the pool's dispatcher
     prompt: str = "Hello, fairlane"
     max_tokens: int = 64
     temperature: float = 1.0

@@ -303,6 +303,48 @@ class Scheduler:
         self._in_flight[req.request_id] = _InFlight(req, i)
         return Dispatch(req, self.tiers.engine_priority(i), cost)
 
+    def adopt(self, request_id: str, now_ms: float) -> bool:
+        """A queued request turns out to be running already (a worker reports it after
+        this dispatcher restarted and JetStream redelivered the request): move it to
+        in flight, charged as a dispatch, so it is never dispatched a second time."""
+        req = self._queued.get(request_id)
+        if req is None:
+            return False
+        self.policy.remove(req)
+        self._dispatch(req, now_ms)
+        return True
+
+    # --- configuration -----------------------------------------------------------------
+
+    def update_config(self, config: SchedulerConfig) -> None:
+        """Hot reload of tenants, weights, quotas and limits (tenants file edits).
+
+        Tiers, the policy and the cost model shape the scheduler's structures and the
+        dispatcher's consumers, so changing them needs a restart: ValueError.
+        """
+        old = self.config
+        if ([t.name for t in config.tiers] != [t.name for t in old.tiers]
+                or config.policy != old.policy or config.cost_model != old.cost_model):
+            raise ValueError("tiers, policy and cost_model change only with a restart")
+        self.config = config
+        self.tiers.tiers = list(config.tiers)
+        if hasattr(self.policy, "config"):
+            self.policy.config = config
+        book = getattr(self.policy, "_book", None)
+        if book is not None:
+            book.config = config
+            for st in book.states.values():
+                tcfg = config.tenant(st.tenant)
+                st.weight = max(tcfg.weight if tcfg else 1.0, 1e-9)
+        if hasattr(self.policy, "quantum"):
+            self.policy.quantum = config.quantum
+        # Throttling's per-tier backlogged weight, recomputed with the new weights.
+        self._tier_weight = {}
+        for (i, tenant), n in self._tt_queued.items():
+            if n > 0:
+                tcfg = config.tenant(tenant)
+                self._tier_weight[i] = self._tier_weight.get(i, 0.0) + (tcfg.weight if tcfg else 1.0)
+
     # --- lifecycle ---------------------------------------------------------------------
 
     def on_started(self, request_id: str, now_ms: float) -> bool:

@@ -260,3 +260,70 @@ async def test_expired_request_never_reaches_a_worker(env, nc):
     w = ScriptedWorker(nc, subjects, "p", "w1")
     await w.start()
     assert await w.pull(wait_ms=200) == []
+
+
+TENANTS_YAML = """
+tiers:
+  - {name: paid, floor_share: 0.5}
+  - {name: free}
+pools:
+  p: {policy: drr, allow_unknown_tenants: false, max_tokens: 64}
+tenants:
+  acme: {tier: paid, weight: 2}
+"""
+
+
+@pytest.fixture
+async def tiered(nats_server, nc, uid, tmp_path):
+    from fairlane.tenants import TenantsWatcher
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANTS_YAML)
+    subjects = Subjects(f"t{uid}")
+    settings = DispatcherSettings(nats_url=nats_server.url, prefix=subjects.prefix, pool="p",
+                                  housekeeping_ms=20)
+    dispatcher = Dispatcher(settings, tenants=TenantsWatcher(path))
+    dispatcher._reload_every_ms = 20
+    await dispatcher.start()
+    client = FairlaneClient(nc, prefix=subjects.prefix)
+    await client.start()
+    yield dispatcher, client, subjects, path
+    await client.close()
+    await dispatcher.stop()
+
+
+async def test_tier_is_resolved_from_the_dispatcher_and_enforced(tiered, nc):
+    dispatcher, client, subjects, _ = tiered
+    stream = await client.submit(tenant="acme", pool="p", prompt="hi", max_tokens=4)
+    await wait_until(lambda: dispatcher.scheduler.is_queued(stream.request_id))
+    assert dispatcher.scheduler.in_flight_request(stream.request_id) is None
+    # The producer refuses a wrong tier, an unknown tenant, and the pool's own limit.
+    for kwargs, code in [
+        (dict(tenant="acme", tier="free"), ErrorCode.INVALID_REQUEST),
+        (dict(tenant="nobody"), ErrorCode.UNKNOWN_TENANT),
+        (dict(tenant="acme", max_tokens=65), ErrorCode.INVALID_REQUEST),
+    ]:
+        with pytest.raises(RequestError) as err:
+            await client.submit(pool="p", prompt="hi", **{"max_tokens": 4, **kwargs})
+        assert err.value.error.code == code
+    # Published straight to NATS with a self-promoted tier: the dispatcher refuses it.
+    rid = uuid.uuid4().hex
+    reply = f"{client.inbox}.{rid}"
+    sub = await nc.subscribe(reply)
+    req = InferenceRequest(request_id=rid, tenant="acme", pool="p", tier="free",
+                           reply_to=reply, prompt="hi", max_tokens=4)
+    await nc.jetstream().publish(subjects.request("p", "free", "acme"), encode(req))
+    chunk = decode_chunk((await sub.next_msg(timeout=5)).data)
+    assert chunk.error.code == ErrorCode.INVALID_REQUEST and "tier 'paid'" in chunk.error.message
+
+
+async def test_tenants_file_edit_applies_without_restart(tiered):
+    dispatcher, client, subjects, path = tiered
+    with pytest.raises(RequestError) as err:
+        await client.submit(tenant="globex", pool="p", prompt="hi", max_tokens=4)
+    assert err.value.error.code == ErrorCode.UNKNOWN_TENANT
+    path.write_text(TENANTS_YAML + "  globex: {tier: free}\n")
+    await wait_until(lambda: dispatcher.scheduler.tenant_config("globex") is not None)
+    client._info.clear()  # skip the producer's 10 s cache for the test
+    stream = await client.submit(tenant="globex", pool="p", prompt="hi", max_tokens=4)
+    await wait_until(lambda: dispatcher.scheduler.is_queued(stream.request_id))

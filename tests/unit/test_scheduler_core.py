@@ -352,3 +352,47 @@ def test_drr_visits_per_decision_do_not_grow_with_tenants(num_tenants):
 def test_drr_rejects_a_non_positive_quantum():
     with pytest.raises(ValueError, match="positive quantum"):
         Scheduler(SchedulerConfig(policy="drr", quantum=0))
+
+
+# --- adopt and hot reload (dispatcher restart, tenants file edits) --------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("policy", ["fifo", "drr", "vtc"])
+def test_adopt_moves_a_queued_request_to_in_flight_without_dispatching_it(policy):
+    from dispatcher.scheduler.config import SchedulerConfig
+    from dispatcher.scheduler.core import Scheduler
+    from dispatcher.scheduler.types import QueuedRequest
+
+    s = Scheduler(SchedulerConfig(policy=policy))
+    for rid in ("a", "b"):
+        assert s.submit(QueuedRequest(rid, "t", "standard", 10, 10, 10), 0).accepted
+    assert s.adopt("a", 1)
+    assert not s.adopt("a", 1) and not s.adopt("nope", 1)
+    assert s.is_known("a") and not s.is_queued("a") and s.num_in_flight == 1
+    assert [d.request.request_id for d in s.select(10, 2)] == ["b"]
+    assert s.on_started("a", 3) and s.on_finished("a", None, 4) is not None
+    assert s.tenant_loads()["t"].num_in_flight == 1  # only b
+
+
+@pytest.mark.unit
+def test_update_config_changes_weights_and_refuses_structural_changes():
+    from dispatcher.scheduler.config import SchedulerConfig, TenantConfig
+    from dispatcher.scheduler.core import Scheduler
+    from dispatcher.scheduler.types import QueuedRequest
+
+    def cfg(wa: float, wb: float, policy: str = "drr") -> SchedulerConfig:
+        return SchedulerConfig(policy=policy, tenants={
+            "a": TenantConfig("a", weight=wa), "b": TenantConfig("b", weight=wb)})
+
+    s = Scheduler(cfg(1, 1))
+    n = 0
+    for _ in range(200):
+        for t in ("a", "b"):
+            s.submit(QueuedRequest(f"{t}{n}", t, "standard", 1, 1, 1), 0)
+            n += 1
+    s.update_config(cfg(1, 3))
+    picks = [d.request.tenant for d in s.select(80, 1)]
+    assert picks.count("b") == 3 * picks.count("a")
+    with pytest.raises(ValueError):
+        s.update_config(cfg(1, 3, policy="vtc"))

@@ -23,7 +23,7 @@ from fairlane.tenants import (
 
 pytestmark = pytest.mark.unit
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tenants.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "fairlane" / "demo_tenants.yaml"
 ACME_KEY = "sk-acme-demo"
 
 
