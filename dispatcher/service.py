@@ -102,6 +102,12 @@ class Dispatcher:
         self.limits = self._limits()
         self._reload_every_ms = 2_000.0
         self._next_reload_ms = 0.0
+        # After a (re)start, messages JetStream redelivers may belong to requests a
+        # worker already holds. They wait one worker timeout, long enough for every
+        # live worker to heartbeat its in-flight ids, before they can be dispatched.
+        self._grace_until_ms = 0.0
+        self._grace: list[Msg] = []
+        self._reported: dict[str, str] = {}  # request id -> worker, from heartbeats
         self.workers = WorkerRegistry(s.worker_timeout_ms)
         self._held: dict[str, Held] = {}
         # Held messages in the order they were last touched: the keep-alive pass only
@@ -133,6 +139,7 @@ class Dispatcher:
                 s.nats_url, name=f"fairlane-dispatcher-{s.pool}", max_reconnect_attempts=-1
             )
         self.js = self.nc.jetstream()
+        self._grace_until_ms = mono_ms() + s.worker_timeout_ms
         await ensure_streams(self.js, self.subjects)
         for tier in self.scheduler.config.tiers:
             sub = await self._consumer(tier.name)
@@ -204,12 +211,14 @@ class Dispatcher:
                 continue
             try:
                 msgs = await sub.fetch(min(s.fetch_batch, room), timeout=1.0)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):
+                # nats-py raises either on an idle fetch; neither is a failure, and
+                # backing off here would delay the next request by the back-off.
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection blips: retry, never die
-                log.warning("fetch_failed", tier=tier, error=str(exc))
+                log.warning("fetch_failed", tier=tier, error=repr(exc))
                 await asyncio.sleep(0.2)
                 continue
             for msg in msgs:
@@ -218,6 +227,9 @@ class Dispatcher:
 
     async def _ingest(self, msg: Msg) -> None:
         metrics.INGESTED.inc()
+        if self._grace_until_ms and mono_ms() < self._grace_until_ms and _redelivered(msg):
+            self._grace.append(msg)
+            return
         try:
             req = decode_request(msg.data)
             pool, tier, tenant = Subjects.parse_request(msg.subject)
@@ -273,6 +285,12 @@ class Dispatcher:
         held = Held(msg, req, now)
         q.payload = held
         verdict = self.scheduler.submit(q, now)
+        if verdict.accepted and req.request_id in self._reported:
+            # A worker already runs it (we restarted): in flight, not queued.
+            worker_id = self._reported[req.request_id]
+            self.scheduler.adopt(req.request_id, now)
+            self.workers.assign(req.request_id, worker_id, now)
+            log.info("request_adopted", request_id=req.request_id, worker_id=worker_id)
         if verdict.verdict is Verdict.REJECTED:
             assert verdict.code is not None
             metrics.REJECTED.labels(reason=verdict.code.value).inc()
@@ -338,6 +356,7 @@ class Dispatcher:
             items.append(WorkItem(
                 request=held.request, engine_priority=d.engine_priority,
                 dispatched_ms=epoch, queue_ms=queue_ms, cache_salt=held.request.tenant,
+                ack_subject=held.msg.reply or None,
             ))
         return items
 
@@ -385,6 +404,9 @@ class Dispatcher:
         w = self.workers.seen(hb.worker_id, now)
         w.num_running, w.num_waiting = hb.load.num_running, hb.load.num_waiting
         w.kv_tokens_used, w.kv_tokens_total = hb.load.kv_tokens_used, hb.load.kv_tokens_total
+        if self._grace_until_ms:
+            for rid in hb.in_flight_ids:
+                self._reported[rid] = hb.worker_id
         for rid in hb.in_flight_ids:
             # After a dispatcher restart JetStream redelivers requests that a worker
             # already holds: adopt them as in flight instead of dispatching them again.
@@ -454,7 +476,19 @@ class Dispatcher:
             except Exception:
                 log.exception("housekeeping_failed")
 
+    async def _end_grace(self, now: float) -> None:
+        self._grace_until_ms = 0.0
+        held_back, self._grace = self._grace, []
+        for msg in held_back:
+            await self._ingest(msg)
+        self._reported.clear()
+        if held_back:
+            log.info("redeliveries_released", num_messages=len(held_back))
+            self._wake.set()
+
     async def _housekeeping(self, now: float) -> None:
+        if self._grace_until_ms and now >= self._grace_until_ms:
+            await self._end_grace(now)
         for dropped in self.scheduler.expire(now):
             await self._drop(dropped)
         for dropped in self.scheduler.shed(now):
@@ -552,6 +586,13 @@ class Dispatcher:
         except Exception as exc:  # a bad reply subject must not stop the dispatcher
             log.warning("error_reply_failed", request_id=request_id, reply_to=reply_to,
                         error=str(exc))
+
+
+def _redelivered(msg: Msg) -> bool:
+    try:
+        return msg.metadata.num_delivered > 1
+    except Exception:  # not a JetStream message (tests feeding _ingest directly)
+        return False
 
 
 async def _term(msg: Msg) -> None:

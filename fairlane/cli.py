@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 
 from fairlane.embedded import NatsServer, RedisServer, free_port
-from fairlane.protocol import ProtocolError, decode_event
+from fairlane.protocol import PoolInfoRequest, ProtocolError, decode_event, encode
 from fairlane.settings import load_settings
 from fairlane.subjects import Subjects
 
@@ -151,8 +151,9 @@ def _have_module(name: str) -> bool:
 
 
 async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
-    """Ready = every worker has sent a heartbeat (so the dispatcher's pool is live)."""
+    """Ready = every worker has sent a heartbeat and the dispatcher answers."""
     import nats
+    import nats.errors
 
     nc = await nats.connect(fleet.nats.url)
     seen: set[str] = set()
@@ -176,6 +177,16 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
                 raise RuntimeError(f"workers not ready after {timeout_s}s (see {fleet.data_dir}/logs)")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.5)
+        subjects = Subjects(fleet.s.prefix)
+        while True:
+            try:
+                await nc.request(subjects.info(fleet.s.pool),
+                                 encode(PoolInfoRequest(tenant="_ready")), timeout=0.5)
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("dispatcher not answering") from None
+                await asyncio.sleep(0.1)
     finally:
         await nc.close()
 

@@ -129,6 +129,9 @@ class WorkItem(Struct, kw_only=True, omit_defaults=True):
     dispatched_ms: int = 0
     queue_ms: int = 0  # time it waited in the dispatcher
     cache_salt: str | None = None
+    # The JetStream ack subject of the request's message: the worker acks it at the
+    # first token, so "started work is not replayed" holds even if the dispatcher dies.
+    ack_subject: str | None = None
 
 
 class PullRequest(Struct, kw_only=True, forbid_unknown_fields=True):

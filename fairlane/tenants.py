@@ -199,6 +199,9 @@ class TenantsFile:
         try:
             return self.pools[name]
         except KeyError:
+            if self.is_default and self.pools:
+                # No tenants file: every pool gets the built-in defaults.
+                return next(iter(self.pools.values()))
             raise KeyError(
                 f"pool {name!r} is not defined in {self.path or 'the default tenants config'}"
             ) from None

@@ -303,7 +303,13 @@ class Worker:
                     outcome = ev
                     break
                 assert isinstance(ev, GenerationDelta)
-                if r.add(ev, mono_s()):
+                first = r.add(ev, mono_s())
+                if first:
+                    if r.item.ack_subject:
+                        # Ack the request's JetStream message ourselves at the first
+                        # token, so started work is never replayed even if the
+                        # dispatcher dies before it hears of Started.
+                        await self._nc.publish(r.item.ack_subject, b"+ACK")
                     await self._event(
                         Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms())
                     )
@@ -311,8 +317,10 @@ class Worker:
                 if ev.finish_reason is not None:
                     outcome = ev
                     break
+                # The first token goes out at once (it is the TTFT); later ones are
+                # coalesced for at most coalesce_ms.
                 if r.buf_num_tokens and (
-                    coalesce_s <= 0 or mono_s() - r.buf_since_s >= coalesce_s
+                    first or coalesce_s <= 0 or mono_s() - r.buf_since_s >= coalesce_s
                 ):
                     await self._flush(r)
         finally:

@@ -448,3 +448,9 @@ def test_watcher_without_file_serves_the_default():
     w = TenantsWatcher(None)
     assert w.current.is_default
     assert w.maybe_reload() is False
+
+
+@pytest.mark.unit
+def test_default_config_serves_any_pool():
+    cfg = default_tenants().scheduler_config("any-pool")
+    assert cfg.policy == "drr" and cfg.allow_unknown_tenants

@@ -1,0 +1,60 @@
+"""`fairlane up` as a user runs it: starts, serves, and Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from producer.client import FairlaneClient
+from tests.procs import alive, descendants
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_fairlane_up_serves_and_ctrl_c_leaves_no_process(tmp_path):
+    proc = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once; output read in a thread
+        [sys.executable, "-m", "fairlane.cli", "up", "--data-dir", str(tmp_path / "fl"),
+         "--nats-port", "0", "--http-port", "0", "--workers", "2", "--time-scale", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        out = ""
+        deadline = time.monotonic() + 90
+        while "Ctrl-C stops everything" not in out:
+            assert time.monotonic() < deadline, out
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line, f"fairlane up exited early:\n{out}"
+            out += line
+        nats_port = int(re.search(r"NATS: nats://127.0.0.1:(\d+)", out).group(1))
+        http_port = int(re.search(r"http://127.0.0.1:(\d+)/v1", out).group(1))
+        children = descendants(proc.pid)
+        assert len(children) >= 6  # nats, redis, dispatcher, 2 workers, streamer
+
+        client = await FairlaneClient.connect(f"nats://127.0.0.1:{nats_port}")
+        done = await (await client.submit(tenant="acme", prompt="hi", max_tokens=8)).collect()
+        await client.close()
+        assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
+
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        rest = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode == 0, out + rest[0]
+        assert "fairlane stopped" in rest[0]
+        assert [pid for pid in children if alive(pid)] == []
+        assert not _port_open(nats_port) and not _port_open(http_port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
