@@ -210,7 +210,17 @@ class Dispatcher:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                msgs = await sub.fetch(min(s.fetch_batch, room), timeout=1.0)
+                # Wait for the first message alone: a batched fetch that got one message
+                # keeps waiting for the rest of its batch until its deadline, which
+                # would hold a lone request for up to the whole timeout.
+                msgs = await sub.fetch(1, timeout=1.0)
+                # Then take what is already waiting, asking for exactly that many so
+                # the fetch returns as soon as they arrive.
+                pending = _num_pending(msgs[0])
+                if room > 1 and pending > 0:
+                    with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
+                        msgs += await sub.fetch(min(s.fetch_batch, room - 1, pending),
+                                                timeout=0.05)
             except (nats.errors.TimeoutError, TimeoutError):
                 # nats-py raises either on an idle fetch; neither is a failure, and
                 # backing off here would delay the next request by the back-off.
@@ -586,6 +596,13 @@ class Dispatcher:
         except Exception as exc:  # a bad reply subject must not stop the dispatcher
             log.warning("error_reply_failed", request_id=request_id, reply_to=reply_to,
                         error=str(exc))
+
+
+def _num_pending(msg: Msg) -> int:
+    try:
+        return int(msg.metadata.num_pending)
+    except Exception:
+        return 0
 
 
 def _redelivered(msg: Msg) -> bool:
