@@ -39,6 +39,7 @@ from dispatcher.scheduler.types import (
 from fairlane.protocol import ErrorCode
 
 _DEFAULT_RETRY_MS = 1_000
+ENGINE_PRIORITY_SPAN = 1_000  # engine priorities per tier (see _dispatch)
 
 
 @dataclass(slots=True)
@@ -291,6 +292,11 @@ class Scheduler:
         req.est_cost = cost
         req.est_kv_tokens = req.kv_tokens
         load = self._load(req.tenant)
+        # Engine priority = tier priority x 1000 + the tenant's requests already in
+        # flight. Within a tier the engine's waiting queue then serves tenants with
+        # less running first (a small tenant does not queue behind a flood's prefetched
+        # work), and under KV pressure vLLM evicts the heaviest tenant's work first.
+        bump = min(load.num_in_flight, ENGINE_PRIORITY_SPAN - 1)
         load.num_in_flight += 1
         load.kv_tokens_in_flight += req.est_kv_tokens
         load.dispatched_cost += cost
@@ -301,7 +307,7 @@ class Scheduler:
             self.rate.add(now_ms, cost)
         self.num_dispatched += 1
         self._in_flight[req.request_id] = _InFlight(req, i)
-        return Dispatch(req, self.tiers.engine_priority(i), cost)
+        return Dispatch(req, self.tiers.engine_priority(i) * ENGINE_PRIORITY_SPAN + bump, cost)
 
     def adopt(self, request_id: str, now_ms: float) -> bool:
         """A queued request turns out to be running already (a worker reports it after

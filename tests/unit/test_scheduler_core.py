@@ -203,7 +203,7 @@ def test_tier_maps_to_engine_priority_and_highest_tier_wins():
     s.submit(req("f", tier="free"), 0)
     s.submit(req("e", tier="enterprise"), 1)
     out = s.select(2, 2)
-    assert [(d.request.tier, d.engine_priority) for d in out] == [("enterprise", 0), ("free", 5)]
+    assert [(d.request.tier, d.engine_priority) for d in out] == [("enterprise", 0), ("free", 5000)]
     assert s.tier_dispatched_cost() == {"enterprise": 1.0, "free": 1.0}
 
 
@@ -396,3 +396,14 @@ def test_update_config_changes_weights_and_refuses_structural_changes():
     assert picks.count("b") == 3 * picks.count("a")
     with pytest.raises(ValueError):
         s.update_config(cfg(1, 3, policy="vtc"))
+
+
+@pytest.mark.unit
+def test_a_tenants_only_request_goes_ahead_in_the_engine_queue():
+    s = Scheduler(SchedulerConfig(policy="drr"))
+    for rid, tenant in [("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b"), ("b2", "b")]:
+        assert s.submit(QueuedRequest(rid, tenant, "standard", 1, 1, 1), 0).accepted
+    prio = {d.request.request_id: d.engine_priority for d in s.select(5, 1)}
+    # Ranked by how much each tenant already runs: b's second request goes ahead of
+    # a's third in the engine's waiting queue.
+    assert prio == {"a1": 0, "b1": 0, "a2": 1, "b2": 1, "a3": 2}

@@ -106,7 +106,7 @@ def test_random_operations_keep_every_invariant(policy, ops, tcfgs, cost_model, 
     cfg = SchedulerConfig(
         policy=policy, cost_model=cost_model, quantum=25.0,
         tiers=[TierConfig("gold", engine_priority=0),
-               TierConfig("free", floor_share=floor, aging_ms=aging, engine_priority=1)],
+               TierConfig("free", floor_share=floor, aging_ms=aging, engine_priority=2)],
         tenants={name: TenantConfig(name, max_concurrent=mc, max_kv_tokens=kv, weight=w)
                  for name, (mc, kv, w) in zip(TENANTS, tcfgs, strict=True)},
         share_window_ms=100.0, throttle_window_ms=0,
@@ -127,7 +127,10 @@ def test_random_operations_keep_every_invariant(policy, ops, tcfgs, cost_model, 
                 rivals = [q for q in m.queued.values()
                           if (q.tier, q.tenant) == (r.tier, r.tenant) and q is not r]
                 assert all(m.key(r) < m.key(q) for q in rivals)
-            assert d.engine_priority == TIERS.index(r.tier)
+            # Tier x 1000 + the tenant's requests already in flight (engine-queue
+            # fairness within the tier).
+            busy = sum(q.tenant == r.tenant for q in m.in_flight.values())
+            assert d.engine_priority == 1000 * 2 * TIERS.index(r.tier) + busy
             del m.queued[rid]
             m.front.pop(rid, None)
             m.in_flight[rid] = r
