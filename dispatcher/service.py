@@ -312,6 +312,9 @@ class Dispatcher:
             return
         self._held[req.request_id] = held
         self._touch_order.append((now, req.request_id))
+        # The decoded request has everything; acks only need the message's reply
+        # subject. Dropping the raw body and headers shrinks what 100k held cost.
+        msg.data, msg.headers = b"", None
 
     # --- pulls: matching queued work to workers with room ------------------------------
 
