@@ -27,8 +27,6 @@ import cProfile
 import datetime as dt
 import io
 import json
-import os
-import platform
 import pstats
 import statistics
 import subprocess
@@ -44,6 +42,7 @@ import nats  # noqa: E402
 import uvloop  # noqa: E402
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy  # noqa: E402
 
+from bench.common import git_rev, machine  # noqa: E402
 from dispatcher.config import DispatcherSettings  # noqa: E402
 from dispatcher.service import Dispatcher  # noqa: E402
 from fairlane.embedded import NatsServer, find_nats_server  # noqa: E402
@@ -51,6 +50,7 @@ from fairlane.logs import configure_logging  # noqa: E402
 from fairlane.protocol import InferenceRequest, PullRequest, decode_work_batch, encode  # noqa: E402
 from fairlane.streams import ensure_streams  # noqa: E402
 from fairlane.subjects import REPLY_HEADER, Subjects  # noqa: E402
+from fairlane.tenants import TenantsWatcher  # noqa: E402
 
 POOL = "default"  # the only pool of the default tenants config
 TIER = "standard"
@@ -59,36 +59,7 @@ NUM_TENANTS = 50
 
 def make_dispatcher(ds: DispatcherSettings) -> Dispatcher:
     """A dispatcher configured as `python -m dispatcher` does (default tenants)."""
-    try:
-        from fairlane.tenants import TenantsWatcher
-
-        return Dispatcher(ds, tenants=TenantsWatcher(ds.tenants_file or None))
-    except (ImportError, TypeError):
-        from dispatcher.__main__ import scheduler_config_for
-
-        return Dispatcher(ds, scheduler_config_for(ds))
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return (f"nproc={os.cpu_count()}, {cpu}, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}")
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=5).stdout.strip()
-        return rev + (" + uncommitted changes" if dirty else "")
-    except Exception:
-        return "?"
+    return Dispatcher(ds, tenants=TenantsWatcher(ds.tenants_file or None))
 
 
 def server_version() -> str:

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,12 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 import uvloop  # noqa: E402
 
+from bench.common import git_rev, machine, quantile  # noqa: E402
 from dispatcher.config import DispatcherSettings  # noqa: E402
 from dispatcher.service import Dispatcher  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
 from fairlane.logs import configure_logging  # noqa: E402
 from fairlane.protocol import InferenceRequest, WorkItem  # noqa: E402
 from fairlane.subjects import Subjects  # noqa: E402
+from fairlane.tenants import TenantsWatcher  # noqa: E402
 from gpu_worker.config import WorkerSettings  # noqa: E402
 from gpu_worker.service import Worker  # noqa: E402
 from gpu_worker.sim.engine import SimEngine  # noqa: E402
@@ -58,42 +59,7 @@ PROMPT = "Say hello to the benchmark."
 
 def make_dispatcher(ds: DispatcherSettings) -> Dispatcher:
     """A dispatcher configured as `python -m dispatcher` does (default tenants)."""
-    try:
-        from fairlane.tenants import TenantsWatcher
-
-        return Dispatcher(ds, tenants=TenantsWatcher(ds.tenants_file or None))
-    except (ImportError, TypeError):
-        from dispatcher.__main__ import scheduler_config_for
-
-        return Dispatcher(ds, scheduler_config_for(ds))
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=5).stdout.strip()
-        return rev + (" + uncommitted changes" if dirty else "")
-    except Exception:
-        return "?"
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"nproc={os.cpu_count()}, {cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    k = (len(s) - 1) * p
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return Dispatcher(ds, tenants=TenantsWatcher(ds.tenants_file or None))
 
 
 # --- variants -----------------------------------------------------------------------------
@@ -227,7 +193,7 @@ async def main_async(args) -> str:
         server.stop()
 
     base = samples[variants[0].name]
-    b50, b99 = pct(base, 0.5), pct(base, 0.99)
+    b50, b99 = quantile(base, 0.5), quantile(base, 0.99)
     cmd = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
     lines = [
         "# bench_path: TTFT at light load (one request at a time)",
@@ -246,7 +212,7 @@ async def main_async(args) -> str:
     ]
     for v in variants:
         xs = samples[v.name]
-        p50, p99 = pct(xs, 0.5), pct(xs, 0.99)
+        p50, p99 = quantile(xs, 0.5), quantile(xs, 0.99)
         lines.append(f"| {v.name} | {len(xs)} | {p50:.2f} | {p99:.2f} | {statistics.fmean(xs):.2f} "
                      f"| {p50 - b50:+.2f} | {p99 - b99:+.2f} |")
     lines.append("")

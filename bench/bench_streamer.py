@@ -33,6 +33,7 @@ import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import quantile  # noqa: E402
 from fairlane.embedded import NatsServer, free_port  # noqa: E402
 from fairlane.protocol import TokenChunk, decode_chunk, decode_request, encode  # noqa: E402
 from fairlane.streams import ensure_streams  # noqa: E402
@@ -59,13 +60,6 @@ def cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except OSError:
         return float("nan")
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
 def stamp() -> str:
@@ -297,10 +291,10 @@ async def main() -> int:
             print(f"latency at {args.rate:g} chunks/s/stream x {c} streams "
                   f"({args.rate * c:,.0f} tokens/s), {len(ws_lat)} samples, ms publish->client:")
             for name, xs in (("raw core NATS", raw_lat), ("via streamer", ws_lat)):
-                print(f"  {name:14s}: p50 {pct(xs, 50):7.3f}  p99 {pct(xs, 99):7.3f}  "
+                print(f"  {name:14s}: p50 {quantile(xs, 0.50):7.3f}  p99 {quantile(xs, 0.99):7.3f}  "
                       f"max {max(xs):7.3f}")
-            print(f"  added by streamer: p50 {pct(ws_lat, 50) - pct(raw_lat, 50):+.3f} ms  "
-                  f"p99 {pct(ws_lat, 99) - pct(raw_lat, 99):+.3f} ms")
+            print(f"  added by streamer: p50 {quantile(ws_lat, 0.50) - quantile(raw_lat, 0.50):+.3f} ms  "
+                  f"p99 {quantile(ws_lat, 0.99) - quantile(raw_lat, 0.99):+.3f} ms")
         finally:
             proc.terminate()
             try:

@@ -47,20 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import quantile  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "vllm.md"
 MAX_NUM_SEQS = 32
 MAX_MODEL_LEN = 1024
 POOL = "bench"
 TTFT_PROMPT_TOKENS = 128
 TTFT_MAX_TOKENS = 8
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
-    return s[k]
 
 
 @dataclass
@@ -82,8 +76,8 @@ class PhaseResult:
     def row(self) -> str:
         return (
             f"| {self.name} | {self.wall_s:.2f} | {self.output_tokens} | {self.tok_s:,.0f} | "
-            f"{pct(self.ttft_ms, 50):.1f} | {pct(self.ttft_ms, 99):.1f} | "
-            f"{pct(self.e2e_ms, 50):.1f} | {pct(self.e2e_ms, 99):.1f} | "
+            f"{quantile(self.ttft_ms, 0.50):.1f} | {quantile(self.ttft_ms, 0.99):.1f} | "
+            f"{quantile(self.e2e_ms, 0.50):.1f} | {quantile(self.e2e_ms, 0.99):.1f} | "
             f"{self.mean_running:.1f} | {self.cpu_main_s:.1f} | {self.cpu_engine_s:.1f} | "
             f"{self.cpu_nats_s:.1f} |"
         )
@@ -440,10 +434,10 @@ def report(results: list[PhaseResult], command: str, machine: str, args, bench_s
         d, f = by[f"vLLM direct light #{rnd}"], by[f"vLLM fleet light #{rnd}"]
         lines.append(
             f"- light-load TTFT round {rnd}: fleet overhead p50 "
-            f"{pct(f.ttft_ms, 50) - pct(d.ttft_ms, 50):+.1f} ms, p99 "
-            f"{pct(f.ttft_ms, 99) - pct(d.ttft_ms, 99):+.1f} ms "
-            f"(direct p50 {pct(d.ttft_ms, 50):.1f} / p99 {pct(d.ttft_ms, 99):.1f}; fleet "
-            f"p50 {pct(f.ttft_ms, 50):.1f} / p99 {pct(f.ttft_ms, 99):.1f})")
+            f"{quantile(f.ttft_ms, 0.50) - quantile(d.ttft_ms, 0.50):+.1f} ms, p99 "
+            f"{quantile(f.ttft_ms, 0.99) - quantile(d.ttft_ms, 0.99):+.1f} ms "
+            f"(direct p50 {quantile(d.ttft_ms, 0.50):.1f} / p99 {quantile(d.ttft_ms, 0.99):.1f}; fleet "
+            f"p50 {quantile(f.ttft_ms, 0.50):.1f} / p99 {quantile(f.ttft_ms, 0.99):.1f})")
     real_d = [by["vLLM direct #1"], by["vLLM direct #2"]]
     real_f = [by["vLLM fleet #1"], by["vLLM fleet #2"]]
     real_dl = [by["vLLM direct light #1"], by["vLLM direct light #2"]]
@@ -456,19 +450,19 @@ def report(results: list[PhaseResult], command: str, machine: str, args, bench_s
         ("fleet", by["sim fleet"], real_f),
     ):
         rt = mean(lambda r: r.tok_s, reals)
-        rttft = mean(lambda r: pct(r.ttft_ms, 50), reals)
-        re2e = mean(lambda r: pct(r.e2e_ms, 50), reals)
+        rttft = mean(lambda r: quantile(r.ttft_ms, 0.50), reals)
+        re2e = mean(lambda r: quantile(r.e2e_ms, 0.50), reals)
         lines.append(
             f"- simulator vs vLLM ({label}, loaded): tok/s {sim_r.tok_s:,.0f} vs {rt:,.0f} "
-            f"({sim_r.tok_s / rt:.2f}x); TTFT p50 {pct(sim_r.ttft_ms, 50):.0f} vs "
-            f"{rttft:.0f} ms ({pct(sim_r.ttft_ms, 50) / rttft:.2f}x); e2e p50 "
-            f"{pct(sim_r.e2e_ms, 50):.0f} vs {re2e:.0f} ms "
-            f"({pct(sim_r.e2e_ms, 50) / re2e:.2f}x)")
+            f"({sim_r.tok_s / rt:.2f}x); TTFT p50 {quantile(sim_r.ttft_ms, 0.50):.0f} vs "
+            f"{rttft:.0f} ms ({quantile(sim_r.ttft_ms, 0.50) / rttft:.2f}x); e2e p50 "
+            f"{quantile(sim_r.e2e_ms, 0.50):.0f} vs {re2e:.0f} ms "
+            f"({quantile(sim_r.e2e_ms, 0.50) / re2e:.2f}x)")
     sl = by["sim direct light"]
     lines.append(
-        f"- simulator vs vLLM (direct, light): TTFT p50 {pct(sl.ttft_ms, 50):.1f} vs "
-        f"{mean(lambda r: pct(r.ttft_ms, 50), real_dl):.1f} ms; e2e p50 "
-        f"{pct(sl.e2e_ms, 50):.1f} vs {mean(lambda r: pct(r.e2e_ms, 50), real_dl):.1f} ms")
+        f"- simulator vs vLLM (direct, light): TTFT p50 {quantile(sl.ttft_ms, 0.50):.1f} vs "
+        f"{mean(lambda r: quantile(r.ttft_ms, 0.50), real_dl):.1f} ms; e2e p50 "
+        f"{quantile(sl.e2e_ms, 0.50):.1f} vs {mean(lambda r: quantile(r.e2e_ms, 0.50), real_dl):.1f} ms")
     busy = [r for r in results if r.name.startswith("vLLM")]
     cores = ", ".join(f"{r.name} {r.cpu_engine_s / r.wall_s:.1f}" for r in busy)
     lines += [

@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import quantile  # noqa: E402
 from bench.fleet import Fleet, WorkerSpec  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
 from producer.client import FairlaneClient, RequestError  # noqa: E402
@@ -66,15 +67,6 @@ def tenants_yaml(quantum: float) -> str:
     ]
     lines += [f"  {name}: {{tier: standard, weight: {w}}}" for name, w in tenants.items()]
     return "\n".join(lines) + "\n"
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def jain(xs: list[float]) -> float:
@@ -179,8 +171,8 @@ def breakdown(reqs: list[Req]) -> dict:
     q = [float(r.usage.queue_ms) for r in done]
     w = [float(r.usage.ttft_ms) for r in done]
     rest = [c - a - b for c, a, b in zip(cl, q, w, strict=True)]
-    return {"n": len(done), "client": pct(cl, .5), "queue": pct(q, .5), "worker": pct(w, .5),
-            "rest": pct(rest, .5)}
+    return {"n": len(done), "client": quantile(cl, .5), "queue": quantile(q, .5), "worker": quantile(w, .5),
+            "rest": quantile(rest, .5)}
 
 
 async def wait_until(pred, timeout_s: float, step_s: float = 0.05) -> bool:
@@ -265,7 +257,7 @@ async def scenario_noisy(fleet, client, args, policy: str, notes: list[str]) -> 
         "a_done": len(a_done),
         "a_cancelled": n_cancelled,
         "a_err": a_err,
-        "a_ttft_p50": pct(ttft_ms(a_done), 0.5),
+        "a_ttft_p50": quantile(ttft_ms(a_done), 0.5),
         "a_rate": len(a_done) / max(t_end - t0, 1e-9),
         "b_wait_s": t_b - t_queued,
     }
@@ -322,7 +314,7 @@ async def scenario_backlogged(fleet, client, args, weights: dict[str, float], po
         "tok_per_s": total / (w1 - w0),
         "min_held": min(h[0] for h in held_samples) if held_samples else None,
         "errors": errs,
-        "ttft_p50": {k: pct(ttft_ms([r for r in in_window if r.tenant == k]), 0.5)
+        "ttft_p50": {k: quantile(ttft_ms([r for r in in_window if r.tenant == k]), 0.5)
                      for k in weights},
     }
 
@@ -430,23 +422,23 @@ def report(res: dict[str, dict], args, cmd: str, notes: list[str], wall_s: float
             p(f"| {pol} | failed: {r.get('error', '?')} |")
             continue
         a, n = r["alone"]["b_ttft"], r["noisy"]
-        ratio = pct(n["b_ttft"], 0.99) / pct(a, 0.99) if a and n["b_ttft"] else float("nan")
+        ratio = quantile(n["b_ttft"], 0.99) / quantile(a, 0.99) if a and n["b_ttft"] else float("nan")
         errs = n["b_err"] + n["a_err"] + r["alone"]["b_err"]
-        p(f"| {pol} | {f1(pct(a, .5))} | {f1(pct(a, .99))} | {f1(pct(n['b_ttft'], .5))} | "
-          f"{f1(pct(n['b_ttft'], .99))} | {ratio:.2f}× | {n['publish_s']:.1f} | "
+        p(f"| {pol} | {f1(quantile(a, .5))} | {f1(quantile(a, .99))} | {f1(quantile(n['b_ttft'], .5))} | "
+          f"{f1(quantile(n['b_ttft'], .99))} | {ratio:.2f}× | {n['publish_s']:.1f} | "
           f"{n['a_done']:,} / {args.burst:,} | {f0(n['a_rate'])} | {f0(n['a_ttft_p50'])} | "
           f"{len(errs)} {sorted(set(errs)) if errs else ''} |")
     p("")
     if "drr" in res and "noisy" in res["drr"]:
         a = res["drr"]["alone"]["b_ttft"] + res["drr"]["alone_after"]["b_ttft"]
         b = res["drr"]["noisy"]["b_ttft"]
-        ratio = pct(b, .99) / pct(a, .99)
-        p(f"**Target** B p99 under drr ≤ 1.5× B alone: drr p99 {f1(pct(b, .99))} ms vs "
-          f"alone p99 {f1(pct(a, .99))} ms (10 samples, before+after) = {ratio:.2f}× → "
+        ratio = quantile(b, .99) / quantile(a, .99)
+        p(f"**Target** B p99 under drr ≤ 1.5× B alone: drr p99 {f1(quantile(b, .99))} ms vs "
+          f"alone p99 {f1(quantile(a, .99))} ms (10 samples, before+after) = {ratio:.2f}× → "
           f"{'PASS' if ratio <= 1.5 else 'FAIL'}\n")
     p("B alone, per policy, before / after the burst (p50/p99 ms): " + "; ".join(
-        f"{pol} {f1(pct(r['alone']['b_ttft'], .5))}/{f1(pct(r['alone']['b_ttft'], .99))} → "
-        f"{f1(pct(r['alone_after']['b_ttft'], .5))}/{f1(pct(r['alone_after']['b_ttft'], .99))}"
+        f"{pol} {f1(quantile(r['alone']['b_ttft'], .5))}/{f1(quantile(r['alone']['b_ttft'], .99))} → "
+        f"{f1(quantile(r['alone_after']['b_ttft'], .5))}/{f1(quantile(r['alone_after']['b_ttft'], .99))}"
         for pol, r in res.items() if "alone" in r) + "\n")
 
     p("B's TTFT split (p50 of each part, ms; server-side parts from the final chunk's "
