@@ -12,24 +12,28 @@ import sys
 import time
 
 from fairlane.logs import configure_logging
+from fairlane.ratelimit import RateLimiter, RateLimits
 from fairlane.runtime import now_ms, run
 from fairlane.settings import load_settings
+from fairlane.tenants import load_tenants
 from producer.client import FairlaneClient, RequestError
 from producer.config import ProducerSettings
 
 
-def _submit_kwargs(s: ProducerSettings) -> dict:
+def _submit_kwargs(s: ProducerSettings, limits: RateLimits | None) -> dict:
     return dict(
         tenant=s.tenant, pool=s.pool, tier=s.tier or None, prompt=s.prompt, max_tokens=s.max_tokens,
         temperature=s.temperature, priority=s.priority, seed=s.seed,
         ttft_budget_ms=s.ttft_budget_ms,
         deadline_ms=now_ms() + int(s.deadline_s * 1000) if s.deadline_s else None,
+        rate_limits=limits,
     )
 
 
-async def stream_one(client: FairlaneClient, s: ProducerSettings) -> int:
+async def stream_one(client: FairlaneClient, s: ProducerSettings,
+                     limits: RateLimits | None) -> int:
     try:
-        stream = await client.submit(**_submit_kwargs(s))
+        stream = await client.submit(**_submit_kwargs(s, limits))
         async for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -53,7 +57,7 @@ def _pct(values: list[float], p: float) -> float:
     return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
 
 
-async def load(client: FairlaneClient, s: ProducerSettings) -> int:
+async def load(client: FairlaneClient, s: ProducerSettings, limits: RateLimits | None) -> int:
     ttft_ms: list[float] = []
     e2e_ms: list[float] = []
     errors: dict[str, int] = {}
@@ -67,7 +71,7 @@ async def load(client: FairlaneClient, s: ProducerSettings) -> int:
         async with sem:
             start = time.perf_counter()
             try:
-                stream = await client.submit(**_submit_kwargs(s))
+                stream = await client.submit(**_submit_kwargs(s, limits))
                 first = None
                 async with asyncio.timeout(s.timeout_s):
                     async for chunk in stream:
@@ -105,10 +109,20 @@ async def load(client: FairlaneClient, s: ProducerSettings) -> int:
     return 0 if not errors else 1
 
 
+def _rate_limits(s: ProducerSettings) -> RateLimits | None:
+    if not (s.redis_url and s.tenants_file):
+        return None
+    record = load_tenants(s.tenants_file).tenant(s.tenant)
+    return RateLimits.of(record) if record else None
+
+
 async def amain(s: ProducerSettings, stop: asyncio.Event) -> int:
-    client = await FairlaneClient.connect(s.nats_url, prefix=s.prefix)
+    limits = _rate_limits(s)
+    limiter = RateLimiter.from_url(s.redis_url) if limits else None
+    client = await FairlaneClient.connect(s.nats_url, prefix=s.prefix, limiter=limiter)
     try:
-        work = asyncio.ensure_future(stream_one(client, s) if s.count <= 1 else load(client, s))
+        work = asyncio.ensure_future(
+            stream_one(client, s, limits) if s.count <= 1 else load(client, s, limits))
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
@@ -118,6 +132,8 @@ async def amain(s: ProducerSettings, stop: asyncio.Event) -> int:
         return work.result()
     finally:
         await client.close()
+        if limiter is not None:
+            await limiter.close()
 
 
 def main(argv: list[str] | None = None) -> int:

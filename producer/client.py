@@ -13,6 +13,7 @@ request. That is the whole token relay: the streamer uses this client too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -38,10 +39,11 @@ from fairlane.protocol import (
     decode_pool_info,
     encode,
 )
+from fairlane.ratelimit import RateLimiter, RateLimits
 from fairlane.runtime import now_ms
 from fairlane.streams import ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects
-from fairlane.validation import RequestLimits, check_request
+from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 
 log = structlog.get_logger(__name__)
 
@@ -172,6 +174,7 @@ class FairlaneClient:
         limits: RequestLimits | None = None,
         max_buffered_chunks: int = 1024,
         owns_connection: bool = False,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -181,6 +184,9 @@ class FairlaneClient:
         self.limits = limits or RequestLimits()
         self.max_buffered_chunks = max_buffered_chunks
         self._owns_connection = owns_connection
+        # Requests/min and tokens/min per tenant (Redis, fails open); applied to
+        # submissions that pass `rate_limits`.
+        self.limiter = limiter
         self._streams: dict[str, RequestStream] = {}
         self._sub = None
         self._bg: set[asyncio.Task] = set()
@@ -270,6 +276,7 @@ class FairlaneClient:
         request_id: str | None = None,
         return_token_ids: bool = False,
         expected_output_tokens: int | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> RequestStream:
         """Validate and publish one request; returns its token stream.
 
@@ -295,7 +302,7 @@ class FairlaneClient:
             )
         except (TypeError, ValueError) as exc:
             raise RequestError(ErrorInfo.of(ErrorCode.INVALID_REQUEST, str(exc))) from None
-        return await self.submit_request(req)
+        return await self.submit_request(req, rate_limits)
 
     async def pool_info(self, pool: str, tenant: str) -> PoolInfo | None:
         """The pool dispatcher's view of `tenant` (cached), or None if no dispatcher
@@ -331,8 +338,14 @@ class FairlaneClient:
                 ErrorCode.UNKNOWN_TENANT, f"tenant {tenant!r} may not use pool {pool!r}"))
         return info.tier
 
-    async def submit_request(self, req: InferenceRequest) -> RequestStream:
-        """Publish a prepared request (its reply_to is pointed at this client)."""
+    async def submit_request(self, req: InferenceRequest,
+                             rate_limits: RateLimits | None = None) -> RequestStream:
+        """Publish a prepared request (its reply_to is pointed at this client).
+
+        With a `limiter` and `rate_limits`, the request and its estimated tokens are
+        reserved first (refused with ``rate_limited`` and a retry hint when spent) and
+        settled later from the usage stream; a refused publish gives them back.
+        """
         req.reply_to = f"{self.inbox}.{req.request_id}"
         try:
             subject = self.subjects.request(req.pool, req.tier, req.tenant)
@@ -361,6 +374,24 @@ class FairlaneClient:
         if req.request_id in self._streams:
             raise RequestError(ErrorInfo.of(ErrorCode.INVALID_REQUEST,
                                             f"request {req.request_id} is already streaming"))
+        limited = self.limiter is not None and rate_limits is not None and not rate_limits.unlimited
+        if limited:
+            est_tokens = estimate_prompt_tokens(req) + req.max_tokens
+            decision = await self.limiter.admit(req.tenant, rate_limits, est_tokens,
+                                                req.request_id, klass=req.pool)
+            if not decision.allowed:
+                raise RequestError(ErrorInfo.of(
+                    ErrorCode.RATE_LIMITED, f"tenant {req.tenant!r} is over its rate limit",
+                    retry_after_ms=decision.retry_after_ms))
+        try:
+            return await self._publish(req, subject)
+        except BaseException:
+            if limited:
+                with contextlib.suppress(Exception):
+                    await self.limiter.refund(req.tenant, req.request_id, klass=req.pool)
+            raise
+
+    async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.
         stream = RequestStream(req.request_id, req.tenant, req.pool, self,
                                asyncio.Queue(maxsize=self.max_buffered_chunks))

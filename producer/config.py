@@ -22,4 +22,8 @@ class ProducerSettings(msgspec.Struct, kw_only=True):
     concurrency: int = 8
     timeout_s: float = 120.0  # per request, load mode
     json_summary: bool = False  # print the load summary as one JSON line
+    # Rate limits: the tenant's requests/min and tokens/min from the tenants file,
+    # enforced in Redis (the same limiter as the HTTP edge). Empty: not limited here.
+    redis_url: str = ""
+    tenants_file: str = ""
     log_level: str = "warning"
