@@ -48,6 +48,19 @@ async def test_fairlane_up_serves_and_ctrl_c_leaves_no_process(tmp_path):
         await client.close()
         assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
 
+        # The public edge, with the official SDK and a demo key, on the real fleet.
+        from openai import AsyncOpenAI
+
+        sdk = AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="sk-acme-demo")
+        reply = await sdk.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert 0 < reply.usage.completion_tokens <= 8
+        parts = [c async for c in await sdk.completions.create(
+            model="default", prompt="hi", max_tokens=8, stream=True)]
+        assert parts and parts[-1].choices[0].finish_reason in ("stop", "length")
+        await sdk.close()
+
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         rest = await asyncio.to_thread(proc.communicate, timeout=60)
         assert proc.returncode == 0, out + rest[0]
