@@ -97,3 +97,11 @@ def write_tiny_model(path: str | Path, *, with_tokenizer: bool = True) -> Path:
         }
         (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path
+
+
+if __name__ == "__main__":
+    # python -m tests.vllm.tiny_model DIR: a model dir to try the vLLM path without a GPU
+    # (random weights: run vLLM with load_format=dummy).
+    import sys
+
+    print(write_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"))
