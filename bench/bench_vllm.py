@@ -186,19 +186,6 @@ async def direct_ttft(engine, name, n) -> PhaseResult:
 # --- fleet: producer -> nats -> dispatcher -> worker -> engine ----------------------
 
 
-class BorrowedEngine:
-    """The shared engine minus close(): a Worker closes its engine when it stops."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    async def close(self) -> None:
-        pass
-
-
 class Fleet:
     """A Dispatcher and a client on one prefix; a Worker per phase around `engine`."""
 
@@ -242,7 +229,7 @@ class Fleet:
             max_num_seqs=MAX_NUM_SEQS, prefetch_seqs=self.prefetch_seqs, max_model_len=MAX_MODEL_LEN,
             log_json=False,
         )
-        worker = Worker(settings, BorrowedEngine(self.engine))
+        worker = Worker(settings, self.engine, owns_engine=False)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         while worker.num_pulls == 0:  # its first pull is on the wire: it is serving

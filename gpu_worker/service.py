@@ -60,9 +60,12 @@ EXIT_ENGINE_DEAD = 3
 EXIT_FAILED = 1
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Engine, nc: NATS | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, engine: Engine, nc: NATS | None = None,
+                 owns_engine: bool = True) -> None:
         self.s = settings
         self.engine = engine
+        # A borrowed engine (tests, benchmarks sharing one vLLM) is not closed on exit.
+        self._owns_engine = owns_engine
         self.subjects = Subjects(settings.prefix)
         self.worker_id = settings.worker_id
         self._nc = nc
@@ -120,8 +123,9 @@ class Worker:
             await asyncio.gather(stop_task, dead_task, hb_task, pull_task, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await cancel_sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await self.engine.close()
+            if self._owns_engine:
+                with contextlib.suppress(Exception):
+                    await self.engine.close()
             if self._own_nc:
                 with contextlib.suppress(Exception):
                     await nc.drain()

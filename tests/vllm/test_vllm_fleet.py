@@ -35,19 +35,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 POOL = "cpu"
 
 
-class BorrowedEngine:
-    """The session engine, minus close(): the Worker closes its engine on exit."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    async def close(self) -> None:
-        pass
-
-
 class Fleet:
     def __init__(self, engine, client: FairlaneClient, subjects: Subjects, worker: Worker):
         self.engine = engine
@@ -121,7 +108,7 @@ async def fleet(live_engine, nats_server):
         engine="vllm", max_num_seqs=MAX_NUM_SEQS, prefetch_seqs=2, heartbeat_ms=200,
         pull_wait_ms=500, max_model_len=MAX_MODEL_LEN, log_json=False,
     )
-    worker = Worker(settings, BorrowedEngine(live_engine))
+    worker = Worker(settings, live_engine, owns_engine=False)
     stop = asyncio.Event()
     run_task = asyncio.create_task(worker.run(stop))
     nc = await nats.connect(nats_server.url)
