@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from fairlane.embedded import NatsServer, RedisServer, free_port
+from fairlane.embedded import NatsServer, RedisServer, die_with_parent, free_port
 from fairlane.protocol import PoolInfoRequest, ProtocolError, decode_event, encode
 from fairlane.settings import load_settings
 from fairlane.subjects import Subjects
@@ -52,13 +51,6 @@ class UpSettings(msgspec.Struct, kw_only=True):
     log_level: str = "info"
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGTERM this child when its parent dies."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Fleet:
     """The child processes of one `fairlane up`."""
 
@@ -76,7 +68,7 @@ class Fleet:
         env = dict(os.environ, FAIRLANE_LOG_LEVEL=self.s.log_level)
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=out, stderr=out, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent,
         )
         out.close()
         self.procs.append((name, proc))

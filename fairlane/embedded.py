@@ -8,6 +8,8 @@ SIGKILL) so no orphan outlives its parent.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -53,6 +55,16 @@ def _stop(proc: subprocess.Popen | None, timeout_s: float = 5.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout_s)
+
+
+def die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when its parent dies
+    (PR_SET_PDEATHSIG), so a SIGKILLed `fairlane up` or test run leaves no server or
+    process behind. Linux only; elsewhere a no-op. The signal follows the *thread* that
+    started the child, so start children from a long-lived thread (the main one)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def find_nats_server() -> str:
@@ -119,7 +131,8 @@ class NatsServer:
             "-sd", self.store_dir,
         ]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         _wait_for_port(self.port, self.proc, timeout_s, "nats-server")
         return self
 
@@ -170,7 +183,8 @@ class RedisServer:
             "--dir", self.data_dir,
         ]
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         _wait_for_port(self.port, self.proc, timeout_s, "redis-server")
         return self

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fairlane.embedded import die_with_parent
+
 
 class Procs:
     """Child processes of one test; `close()` kills whatever is still running."""
@@ -21,6 +23,7 @@ class Procs:
         proc = subprocess.Popen(
             [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})}, start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         log.close()
         self.procs.append(proc)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from producer.client import FairlaneClient
+from tests.helpers import wait_until
 from tests.procs import alive, descendants
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -24,22 +25,30 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-async def test_fairlane_up_serves_and_ctrl_c_leaves_no_process(tmp_path):
+async def _start_up(tmp_path) -> tuple[subprocess.Popen, str, int, int]:
+    """`fairlane up` on free ports; returns once it says it is up."""
     proc = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once; output read in a thread
         [sys.executable, "-m", "fairlane.cli", "up", "--data-dir", str(tmp_path / "fl"),
          "--nats-port", "0", "--http-port", "0", "--workers", "2", "--time-scale", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    out = ""
+    deadline = time.monotonic() + 90
+    while "Ctrl-C stops everything" not in out:
+        assert time.monotonic() < deadline, out
+        line = await asyncio.to_thread(proc.stdout.readline)
+        if not line:
+            proc.kill()
+            pytest.fail(f"fairlane up exited early:\n{out}")
+        out += line
+    nats_port = int(re.search(r"NATS: nats://127.0.0.1:(\d+)", out).group(1))
+    http_port = int(re.search(r"http://127.0.0.1:(\d+)/v1", out).group(1))
+    return proc, out, nats_port, http_port
+
+
+async def test_fairlane_up_serves_and_ctrl_c_leaves_no_process(tmp_path):
+    proc, out, nats_port, http_port = await _start_up(tmp_path)
     try:
-        out = ""
-        deadline = time.monotonic() + 90
-        while "Ctrl-C stops everything" not in out:
-            assert time.monotonic() < deadline, out
-            line = await asyncio.to_thread(proc.stdout.readline)
-            assert line, f"fairlane up exited early:\n{out}"
-            out += line
-        nats_port = int(re.search(r"NATS: nats://127.0.0.1:(\d+)", out).group(1))
-        http_port = int(re.search(r"http://127.0.0.1:(\d+)/v1", out).group(1))
         children = descendants(proc.pid)
         assert len(children) >= 6  # nats, redis, dispatcher, 2 workers, streamer
 
@@ -71,3 +80,13 @@ async def test_fairlane_up_serves_and_ctrl_c_leaves_no_process(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_fairlane_up_killed_with_sigkill_takes_its_children_along(tmp_path):
+    proc, _, nats_port, http_port = await _start_up(tmp_path)
+    children = descendants(proc.pid)
+    assert len(children) >= 6
+    proc.kill()  # no chance to clean up: the kernel's parent-death signal must do it
+    proc.wait()
+    await wait_until(lambda: not [pid for pid in children if alive(pid)], 30)
+    assert not _port_open(nats_port) and not _port_open(http_port)
