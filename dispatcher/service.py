@@ -5,8 +5,8 @@ decoded and checked, then *held un-acked* while the request waits (touched with
 ``in_progress`` well inside ``ack_wait``). It is acked once a worker reports
 ``Started`` (so started work is never replayed), or terminated when the request is
 refused, expires or is cancelled. If this process dies, JetStream redelivers every
-held message to the next dispatcher after ``ack_wait``. `_settle` is the one place
-that decides acks.
+held message to the next dispatcher after ``ack_wait``. `dispatcher.held` holds them and
+decides acks.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
+from dispatcher.held import Held, HeldMessages
 from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.types import ActualUsage, Dropped, QueuedRequest, Verdict
@@ -33,7 +34,6 @@ from fairlane.protocol import (
     ErrorInfo,
     Finished,
     Heartbeat,
-    InferenceRequest,
     PoolInfo,
     ProtocolError,
     PullRequest,
@@ -61,16 +61,6 @@ log = structlog.get_logger(__name__)
 
 def mono_ms() -> float:
     return time.monotonic() * 1000.0
-
-
-@dataclass(slots=True)
-class Held:
-    """A request's JetStream message, held un-acked until the request starts."""
-
-    msg: Msg
-    request: InferenceRequest
-    touched_ms: float  # last ack/in_progress/delivery, monotonic
-    settled: bool = False
 
 
 @dataclass(slots=True)
@@ -109,10 +99,7 @@ class Dispatcher:
         self._grace: list[Msg] = []
         self._reported: dict[str, str] = {}  # request id -> worker, from heartbeats
         self.workers = WorkerRegistry(s.worker_timeout_ms)
-        self._held: dict[str, Held] = {}
-        # Held messages in the order they were last touched: the keep-alive pass only
-        # looks at the oldest few, so holding 100k messages costs next to nothing.
-        self._touch_order: deque[tuple[float, str]] = deque()
+        self._held = HeldMessages(s.ack_wait_s)
         self._pulls: deque[_Pull] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -190,7 +177,7 @@ class Dispatcher:
         for req in list(self.scheduler.queued()):
             held = self._held.get(req.request_id)
             if held is not None:
-                await self._settle(held, "nak")
+                await self._held.settle(held, "nak")
         if self.nc is not None:
             # Not drain(): naks may already be redelivered into the (closed) pull
             # subscriptions' inboxes, and drain would wait on them for its timeout.
@@ -277,8 +264,7 @@ class Dispatcher:
         if known is not None or self.scheduler.is_known(req.request_id):
             # A redelivery of a request we already hold: keep the newest handle.
             if known is not None:
-                known.msg, known.touched_ms = msg, mono_ms()
-                self._touch_order.append((known.touched_ms, req.request_id))
+                self._held.redelivered(known, msg, mono_ms())
             return
 
         now = mono_ms()
@@ -310,11 +296,7 @@ class Dispatcher:
                                    ErrorInfo.of(verdict.code, verdict.message, verdict.retry_after_ms))
             await _term(msg)
             return
-        self._held[req.request_id] = held
-        self._touch_order.append((now, req.request_id))
-        # The decoded request has everything; acks only need the message's reply
-        # subject. Dropping the raw body and headers shrinks what 100k held cost.
-        msg.data, msg.headers = b"", None
+        self._held.hold(held)
 
     # --- pulls: matching queued work to workers with room ------------------------------
 
@@ -389,7 +371,7 @@ class Dispatcher:
             if self.scheduler.on_started(ev.request_id, now):
                 held = self._held.get(ev.request_id)
                 if held is not None:
-                    await self._settle(held, "ack")
+                    await self._held.settle(held, "ack")
         elif isinstance(ev, Finished):
             self.workers.seen(ev.worker_id, now)
             await self._finish(ev.request_id, ev, now)
@@ -411,7 +393,7 @@ class Dispatcher:
         if held is not None:
             # Finished without Started: it failed before its first token (e.g. prompt
             # too long) and the client has its error. Done either way: never replay.
-            await self._settle(held, "ack")
+            await self._held.settle(held, "ack")
 
     async def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         w = self.workers.seen(hb.worker_id, now)
@@ -456,7 +438,7 @@ class Dispatcher:
         if held is not None:
             await self._send_error(held.request.reply_to, cancel.request_id,
                                    ErrorInfo.of(ErrorCode.CANCELLED, f"cancelled: {cancel.reason}"))
-            await self._settle(held, "term")
+            await self._held.settle(held, "term")
 
     async def _on_info(self, msg: Msg) -> None:
         """Answer a producer's question: which tier is this tenant in, what limits?"""
@@ -508,7 +490,7 @@ class Dispatcher:
             await self._drop(dropped)
         for w in self.workers.dead_workers(now):
             await self._worker_lost(w.worker_id, w.request_ids, now)
-        await self._keep_alive(now)
+        await self._held.keep_alive(now)
         if self.tenants is not None and now >= self._next_reload_ms:
             self._next_reload_ms = now + self._reload_every_ms
             self._reload_tenants()
@@ -522,7 +504,7 @@ class Dispatcher:
             await self._send_error(held.request.reply_to, dropped.request.request_id,
                                    ErrorInfo.of(dropped.code, dropped.message,
                                                 dropped.retry_after_ms))
-            await self._settle(held, "term")
+            await self._held.settle(held, "term")
 
     def _reload_tenants(self) -> None:
         try:
@@ -555,42 +537,9 @@ class Dispatcher:
                     ErrorInfo.of(ErrorCode.WORKER_LOST,
                                  f"worker {worker_id} stopped responding; retry the request"),
                 )
-                await self._settle(held, "ack")
+                await self._held.settle(held, "ack")
         if requeued:
             self._wake.set()
-
-    async def _keep_alive(self, now: float) -> None:
-        """Touch held messages before ack_wait runs out, oldest first, only as needed."""
-        horizon = now - self.settings.ack_wait_s * 1000 / 2
-        while self._touch_order and self._touch_order[0][0] <= horizon:
-            touched, rid = self._touch_order.popleft()
-            held = self._held.get(rid)
-            if held is None or held.settled or held.touched_ms != touched:
-                continue  # settled, or touched again since (a newer entry exists)
-            with contextlib.suppress(Exception):
-                await held.msg.in_progress()
-            held.touched_ms = now
-            self._touch_order.append((now, rid))
-
-    # --- the one place acks are decided ------------------------------------------------
-
-    async def _settle(self, held: Held, action: str) -> None:
-        """ack: started or finished (never replay). term: refused, expired, cancelled.
-        nak: hand back to JetStream for redelivery (shutdown)."""
-        if held.settled:
-            return
-        held.settled = True
-        self._held.pop(held.request.request_id, None)
-        try:
-            if action == "ack":
-                await held.msg.ack()
-            elif action == "term":
-                await held.msg.term()
-            else:
-                await held.msg.nak()
-        except Exception as exc:
-            log.warning("settle_failed", request_id=held.request.request_id, action=action,
-                        error=str(exc))
 
     async def _send_error(self, reply_to: str, request_id: str, error: ErrorInfo) -> None:
         chunk = TokenChunk(request_id=request_id, seq=0, error=error)

@@ -1,0 +1,88 @@
+"""JetStream messages the dispatcher holds un-acked while their requests wait.
+
+Holding is what makes queued work durable: if the dispatcher dies, JetStream
+redelivers every held message after ``ack_wait``. While alive, the dispatcher touches
+each one with ``in_progress`` before ``ack_wait`` runs out — oldest first and only as
+they near it, so holding 100k messages costs a few publishes per second. `settle` is
+the one place acks are decided.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+from nats.aio.msg import Msg
+
+from fairlane.protocol import InferenceRequest
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Held:
+    """A request's JetStream message, held un-acked until the request starts."""
+
+    msg: Msg
+    request: InferenceRequest
+    touched_ms: float  # last delivery or in_progress, monotonic
+    settled: bool = False
+
+
+class HeldMessages:
+    def __init__(self, ack_wait_s: float) -> None:
+        self.ack_wait_ms = ack_wait_s * 1000
+        self._held: dict[str, Held] = {}
+        # (touched_ms, request id) in touch order; stale entries are skipped lazily.
+        self._touch_order: deque[tuple[float, str]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def get(self, request_id: str) -> Held | None:
+        return self._held.get(request_id)
+
+    def hold(self, held: Held) -> None:
+        self._held[held.request.request_id] = held
+        self._touch_order.append((held.touched_ms, held.request.request_id))
+        # The decoded request has everything; acks only need the message's reply
+        # subject. Dropping the raw body and headers shrinks what 100k held cost.
+        held.msg.data, held.msg.headers = b"", None
+
+    def redelivered(self, held: Held, msg: Msg, now_ms: float) -> None:
+        """JetStream delivered a held request again: keep the newest handle."""
+        held.msg, held.touched_ms = msg, now_ms
+        self._touch_order.append((now_ms, held.request.request_id))
+
+    async def keep_alive(self, now_ms: float) -> None:
+        """Touch held messages before ack_wait runs out, oldest first, only as needed."""
+        horizon = now_ms - self.ack_wait_ms / 2
+        while self._touch_order and self._touch_order[0][0] <= horizon:
+            touched, rid = self._touch_order.popleft()
+            held = self._held.get(rid)
+            if held is None or held.settled or held.touched_ms != touched:
+                continue  # settled, or touched again since (a newer entry exists)
+            with contextlib.suppress(Exception):
+                await held.msg.in_progress()
+            held.touched_ms = now_ms
+            self._touch_order.append((now_ms, rid))
+
+    async def settle(self, held: Held, action: str) -> None:
+        """ack: started or finished (never replay). term: refused, expired, cancelled.
+        nak: hand back to JetStream for redelivery now (shutdown)."""
+        if held.settled:
+            return
+        held.settled = True
+        self._held.pop(held.request.request_id, None)
+        try:
+            if action == "ack":
+                await held.msg.ack()
+            elif action == "term":
+                await held.msg.term()
+            else:
+                await held.msg.nak()
+        except Exception as exc:
+            log.warning("settle_failed", request_id=held.request.request_id, action=action,
+                        error=str(exc))
