@@ -29,24 +29,27 @@ if it is valid; a bad edit is logged and the previous good config is kept.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import math
 import os
-import re
 import sys
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import msgspec
-import msgspec.inspect
 import structlog
 import yaml
 
 from dispatcher.scheduler.config import SchedulerConfig, TenantConfig, TierConfig
-from fairlane.protocol import ID_PATTERN
+from fairlane.tenants_schema import (
+    DEFAULT_POOL,
+    DEFAULT_TIER,
+    PoolSpec,
+    TenantRecord,
+    TenantsFileError,
+    TierSpec,
+    hash_api_key,
+)
+from fairlane.tenants_validate import Validator
 from fairlane.validation import RequestLimits
 
 log = structlog.get_logger(__name__)
@@ -66,87 +69,6 @@ __all__ = [
     "parse_tenants",
     "tenants_from_dict",
 ]
-
-DEFAULT_TIER = "standard"
-DEFAULT_POOL = "default"
-KEY_PREFIX = "sha256:"
-
-_ID_RE = re.compile(ID_PATTERN)
-_HASHED_KEY_RE = re.compile(r"^sha256:[0-9a-fA-F]{64}$")
-_MSGSPEC_PATH_RE = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>.*)`$", re.DOTALL)
-_TOP_LEVEL = ("tiers", "pools", "tenants")
-_FLOOR_EPSILON = 1e-9
-
-
-class TenantsFileError(ValueError):
-    """The tenants file cannot be used. The message names the file and field path."""
-
-    def __init__(self, source: str, path: str, message: str) -> None:
-        self.source = source
-        self.path = path
-        self.detail = message
-        where = f"{path}: " if path else ""
-        super().__init__(f"{source}: {where}{message}")
-
-
-# --- schema (strict decoding; ranges and references are checked afterwards) ---
-
-
-class TierSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    name: str
-    floor_share: float = 0.0  # reserved fraction of dispatched cost, in [0, 1]
-    aging_ms: float = 0.0  # 0 = no aging
-    engine_priority: int = 0  # vLLM priority: lower runs first, evicted last
-
-
-class PoolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    policy: Literal["fifo", "drr", "vtc"] = "drr"
-    cost_model: Literal["requests", "tokens", "kv_seconds"] = "requests"
-    quantum: float = 1.0  # DRR budget per turn at weight 1, in cost units
-    max_tokens: int | None = None  # request limit (output tokens); None = built-in default
-    max_prompt_tokens: int | None = None  # request limit; None = built-in default
-    max_queued_total: int = 1_000_000
-    allow_unknown_tenants: bool = False  # in a file, unlisted tenants are refused by default
-    default_tier: str | None = None  # tier of unlisted tenants; None = lowest tier
-
-
-class _TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    tier: str | None = None  # None = lowest tier
-    weight: float = 1.0
-    max_concurrent: int | None = None
-    max_kv_tokens: int | None = None
-    max_queued: int | None = None
-    requests_per_min: int | None = None
-    tokens_per_min: int | None = None
-    pools: list[str] | None = None  # None = every pool
-    api_keys: list[str] = []
-
-
-@dataclass(frozen=True, slots=True)
-class TenantRecord:
-    """A tenant as the edge and the dispatcher see it (keys are not kept here)."""
-
-    name: str
-    tier: str
-    weight: float = 1.0
-    max_concurrent: int | None = None  # sequences in flight
-    max_kv_tokens: int | None = None  # KV tokens in flight
-    max_queued: int | None = None  # requests waiting in the dispatcher
-    requests_per_min: int | None = None
-    tokens_per_min: int | None = None
-    pools: tuple[str, ...] | None = None  # None = every pool
-
-    def allows_pool(self, pool: str) -> bool:
-        return self.pools is None or pool in self.pools
-
-
-# --- keys ---
-
-
-def hash_api_key(key: str) -> str:
-    """``sha256:<hex>`` of the key's UTF-8 bytes: what the tenants file stores."""
-    return KEY_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
-
 
 # --- the loaded file ---
 
@@ -359,220 +281,10 @@ def _format_of(p: Path, source: str) -> Literal["yaml", "toml"]:
 
 def tenants_from_dict(data: Any, *, source: str = "<tenants>") -> TenantsFile:
     """Validate already-parsed data (a YAML/TOML document) into a `TenantsFile`."""
-    v = _Validator(source)
-    return v.run(data)
-
-
-class _Validator:
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, path: str, message: str) -> TenantsFileError:
-        return TenantsFileError(self.source, path, message)
-
-    # helpers
-
-    def convert(self, obj: Any, typ: type, path: str) -> Any:
-        if not isinstance(obj, dict):
-            raise self.fail(path, f"expected a mapping, got {_kind(obj)}")
-        try:
-            return msgspec.convert(obj, typ, strict=True)
-        except msgspec.ValidationError as e:
-            msg = str(e)
-            sub = ""
-            m = _MSGSPEC_PATH_RE.match(msg)
-            if m:
-                msg, sub = m["msg"], m["path"]
-            if msg.startswith("Invalid enum value") and sub.count(".") == 1:
-                choices = _literal_choices(typ, sub[1:])
-                if choices:
-                    msg += f" (expected one of: {', '.join(choices)})"
-            raise self.fail(path + sub, msg[:1].lower() + msg[1:]) from None
-
-    def check_id(self, value: Any, path: str, what: str) -> str:
-        if not isinstance(value, str):
-            raise self.fail(path, f"{what} must be a string, got {_kind(value)}")
-        if not _ID_RE.match(value):
-            raise self.fail(
-                path, f"{what} {value!r} is invalid: 1-64 characters of A-Z a-z 0-9 _ -"
-            )
-        return value
-
-    def mapping(self, obj: Any, path: str) -> dict[Any, Any]:
-        if obj is None:
-            return {}
-        if not isinstance(obj, dict):
-            raise self.fail(path, f"expected a mapping, got {_kind(obj)}")
-        return obj
-
-    def finite(self, value: float, path: str) -> None:
-        if not math.isfinite(value):
-            raise self.fail(path, f"must be a finite number, got {value}")
-
-    def positive(self, value: float | None, path: str) -> None:
-        if value is not None:
-            self.finite(value, path)
-            if value <= 0:
-                raise self.fail(path, f"must be > 0, got {value}")
-
-    # sections
-
-    def run(self, data: Any) -> TenantsFile:
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise self.fail("", f"expected a mapping at the top level, got {_kind(data)}")
-        for key in data:
-            if key not in _TOP_LEVEL:
-                raise self.fail(
-                    str(key), f"unknown section (expected one of: {', '.join(_TOP_LEVEL)})"
-                )
-        tiers = self.tiers(data.get("tiers"))
-        tier_names = {t.name for t in tiers}
-        pools = self.pools(data.get("pools"), tier_names)
-        tenants, key_hashes = self.tenants(data.get("tenants"), tiers, pools)
-        return TenantsFile(
-            tiers=tiers, pools=pools, tenants=tenants, key_hashes=key_hashes, path=self.source
-        )
-
-    def tiers(self, raw: Any) -> tuple[TierSpec, ...]:
-        if raw is None:
-            return (TierSpec(name=DEFAULT_TIER),)
-        if not isinstance(raw, list):
-            raise self.fail("tiers", f"expected a list (highest tier first), got {_kind(raw)}")
-        if not raw:
-            raise self.fail("tiers", "must list at least one tier (or be left out)")
-        out: list[TierSpec] = []
-        seen: set[str] = set()
-        for i, item in enumerate(raw):
-            path = f"tiers[{i}]"
-            t: TierSpec = self.convert(item, TierSpec, path)
-            self.check_id(t.name, f"{path}.name", "tier name")
-            if t.name in seen:
-                raise self.fail(f"{path}.name", f"duplicate tier {t.name!r}")
-            seen.add(t.name)
-            self.finite(t.floor_share, f"{path}.floor_share")
-            if not 0.0 <= t.floor_share <= 1.0:
-                raise self.fail(f"{path}.floor_share", f"must be in [0, 1], got {t.floor_share}")
-            self.finite(t.aging_ms, f"{path}.aging_ms")
-            if t.aging_ms < 0:
-                raise self.fail(f"{path}.aging_ms", f"must be >= 0, got {t.aging_ms}")
-            out.append(t)
-        total = sum(t.floor_share for t in out)
-        if total > 1.0 + _FLOOR_EPSILON:
-            raise self.fail("tiers", f"floor_share values must sum to <= 1, got {total:g}")
-        return tuple(out)
-
-    def pools(self, raw: Any, tier_names: set[str]) -> dict[str, PoolSpec]:
-        if raw is None:
-            return {DEFAULT_POOL: PoolSpec()}
-        raw = self.mapping(raw, "pools")
-        if not raw:
-            raise self.fail("pools", "must define at least one pool (or be left out)")
-        out: dict[str, PoolSpec] = {}
-        for name, item in raw.items():
-            self.check_id(name, f"pools.{name}", "pool name")
-            path = f"pools.{name}"
-            p: PoolSpec = self.convert(item if item is not None else {}, PoolSpec, path)
-            self.positive(p.quantum, f"{path}.quantum")
-            self.positive(p.max_tokens, f"{path}.max_tokens")
-            self.positive(p.max_prompt_tokens, f"{path}.max_prompt_tokens")
-            self.positive(p.max_queued_total, f"{path}.max_queued_total")
-            if p.default_tier is not None and p.default_tier not in tier_names:
-                raise self.fail(
-                    f"{path}.default_tier",
-                    f"unknown tier {p.default_tier!r} (tiers: {', '.join(sorted(tier_names))})",
-                )
-            out[name] = p
-        return out
-
-    def tenants(
-        self, raw: Any, tiers: tuple[TierSpec, ...], pools: dict[str, PoolSpec]
-    ) -> tuple[dict[str, TenantRecord], dict[str, str]]:
-        raw = self.mapping(raw, "tenants")
-        tier_names = {t.name for t in tiers}
-        lowest = tiers[-1].name
-        records: dict[str, TenantRecord] = {}
-        key_hashes: dict[str, str] = {}
-        for name, item in raw.items():
-            self.check_id(name, f"tenants.{name}", "tenant id")
-            path = f"tenants.{name}"
-            t: _TenantSpec = self.convert(item if item is not None else {}, _TenantSpec, path)
-            tier = t.tier if t.tier is not None else lowest
-            if tier not in tier_names:
-                raise self.fail(
-                    f"{path}.tier",
-                    f"unknown tier {tier!r} (tiers: {', '.join(t.name for t in tiers)})",
-                )
-            self.positive(t.weight, f"{path}.weight")
-            for field in (
-                "max_concurrent",
-                "max_kv_tokens",
-                "max_queued",
-                "requests_per_min",
-                "tokens_per_min",
-            ):
-                self.positive(getattr(t, field), f"{path}.{field}")
-            allowed: tuple[str, ...] | None = None
-            if t.pools is not None:
-                for i, pool in enumerate(t.pools):
-                    if pool not in pools:
-                        raise self.fail(
-                            f"{path}.pools[{i}]",
-                            f"unknown pool {pool!r} (pools: {', '.join(sorted(pools))})",
-                        )
-                allowed = tuple(dict.fromkeys(t.pools))
-            for i, key in enumerate(t.api_keys):
-                kpath = f"{path}.api_keys[{i}]"
-                # Never echo the value: it may be a live secret pasted by mistake.
-                if not _HASHED_KEY_RE.match(key):
-                    if key.startswith(KEY_PREFIX):
-                        raise self.fail(
-                            kpath, "malformed hashed key: expected 'sha256:' and 64 hex digits"
-                        )
-                    raise self.fail(
-                        kpath,
-                        "looks like a plain-text API key; store only its hash "
-                        "('sha256:<64 hex>'), e.g. from "
-                        "`printf %s KEY | python -m fairlane.tenants hash-key`",
-                    )
-                digest = KEY_PREFIX + key[len(KEY_PREFIX) :].lower()
-                owner = key_hashes.get(digest)
-                if owner is not None:
-                    where = "twice for this tenant" if owner == name else f"also used by {owner!r}"
-                    raise self.fail(kpath, f"duplicate API key hash ({where})")
-                key_hashes[digest] = name
-            records[name] = TenantRecord(
-                name=name,
-                tier=tier,
-                weight=float(t.weight),
-                max_concurrent=t.max_concurrent,
-                max_kv_tokens=t.max_kv_tokens,
-                max_queued=t.max_queued,
-                requests_per_min=t.requests_per_min,
-                tokens_per_min=t.tokens_per_min,
-                pools=allowed,
-            )
-        return records, key_hashes
-
-
-def _literal_choices(typ: type, field: str) -> list[str]:
-    info = msgspec.inspect.type_info(typ)
-    for f in getattr(info, "fields", ()):
-        if f.name == field and isinstance(f.type, msgspec.inspect.LiteralType):
-            return [str(v) for v in f.type.values]
-    return []
-
-
-def _kind(obj: Any) -> str:
-    if obj is None:
-        return "null"
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(obj), type(obj).__name__
+    tiers, pools, tenants, key_hashes = Validator(source).run(data)
+    return TenantsFile(
+        tiers=tiers, pools=pools, tenants=tenants, key_hashes=key_hashes, path=source
     )
-
-
-# --- hot reload ---
 
 
 class TenantsWatcher:
