@@ -27,7 +27,12 @@ async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> int:
     await dispatcher.start()
     await stop.wait()
     log.info("stopping", reason="signal")
-    await dispatcher.stop()
+    try:
+        # Bounded: with NATS gone, nats-py can wait on a dead connection forever, and
+        # nothing is lost by leaving: JetStream redelivers held messages after ack_wait.
+        await asyncio.wait_for(dispatcher.stop(), settings.stop_timeout_s)
+    except TimeoutError:
+        log.warning("stop_timed_out", timeout_s=settings.stop_timeout_s)
     return 0
 
 

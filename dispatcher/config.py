@@ -24,6 +24,7 @@ class DispatcherSettings(msgspec.Struct, kw_only=True):
     # gets a retryable worker_lost error.
     worker_timeout_ms: int = 3_500
     housekeeping_ms: int = 200
+    stop_timeout_s: float = 10.0  # bound on a graceful stop (NATS may be gone)
     max_tokens: int = 4096
     max_prompt_chars: int = 200_000
     metrics_port: int = 0  # 0 = no /metrics endpoint

@@ -20,19 +20,19 @@ QUEUE_WAIT = Histogram(
 )
 QUEUE_DEPTH = Gauge("fl_dispatcher_queue_depth", "Requests queued", ["tenant"])
 IN_FLIGHT = Gauge("fl_dispatcher_in_flight", "Requests dispatched, not finished", ["tenant"])
-TIER_SHARE = Gauge("fl_dispatcher_tier_share", "Share of dispatched cost per tier", ["tier"])
+TIER_SHARE = Gauge(
+    "fl_dispatcher_tier_share", "Share of recently dispatched cost per tier (what floors hold)",
+    ["tier"],
+)
+TIER_QUEUE_DEPTH = Gauge("fl_dispatcher_tier_queue_depth", "Requests queued per tier", ["tier"])
 
 
-def observe_scheduler(scheduler) -> None:
-    """Refresh gauges from the scheduler's per-tenant loads."""
-    tier_cost: dict[str, float] = {}
+def observe_scheduler(scheduler, now_ms: float) -> None:
+    """Refresh gauges from the scheduler's per-tenant loads and per-tier figures."""
     for tenant, load in scheduler.tenant_loads().items():
         QUEUE_DEPTH.labels(tenant=tenant).set(load.num_queued)
         IN_FLIGHT.labels(tenant=tenant).set(load.num_in_flight)
-        cfg = scheduler.config.tenant(tenant)
-        tier = cfg.tier if cfg else "unknown"
-        tier_cost[tier] = tier_cost.get(tier, 0.0) + load.dispatched_cost
-    total = sum(tier_cost.values())
-    if total > 0:
-        for tier, cost in tier_cost.items():
-            TIER_SHARE.labels(tier=tier).set(cost / total)
+    for tier, share in scheduler.tier_shares(now_ms).items():
+        TIER_SHARE.labels(tier=tier).set(share)
+    for tier, depth in scheduler.tier_queue_depths().items():
+        TIER_QUEUE_DEPTH.labels(tier=tier).set(depth)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,17 +49,13 @@ from fairlane.protocol import (
     encode,
     peek_reply_fields,
 )
-from fairlane.runtime import now_ms
+from fairlane.runtime import mono_ms, now_ms
 from fairlane.streams import ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
 from fairlane.tenants import TenantsWatcher
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 
 log = structlog.get_logger(__name__)
-
-
-def mono_ms() -> float:
-    return time.monotonic() * 1000.0
 
 
 @dataclass(slots=True)
@@ -494,7 +489,7 @@ class Dispatcher:
         if self.tenants is not None and now >= self._next_reload_ms:
             self._next_reload_ms = now + self._reload_every_ms
             self._reload_tenants()
-        metrics.observe_scheduler(self.scheduler)
+        metrics.observe_scheduler(self.scheduler, now)
 
     async def _drop(self, dropped: Dropped) -> None:
         """A queued request the core removed (expired, shed): tell the client, term it."""

@@ -295,7 +295,6 @@ class _Decoder:
 
 
 decode_request = _Decoder(InferenceRequest, "InferenceRequest")
-decode_work_item = _Decoder(WorkItem, "WorkItem")
 decode_pull = _Decoder(PullRequest, "PullRequest")
 decode_work_batch = _Decoder(WorkBatch, "WorkBatch")
 decode_chunk = _Decoder(TokenChunk, "TokenChunk")

@@ -90,6 +90,7 @@ class Worker:
                 name=f"gpu_worker:{self.worker_id}",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                drain_timeout=5,  # on exit with NATS gone, don't wait the default 30 s
             )
         nc = self._nc
         self.js = nc.jetstream()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -88,5 +89,10 @@ async def test_fairlane_up_killed_with_sigkill_takes_its_children_along(tmp_path
     assert len(children) >= 6
     proc.kill()  # no chance to clean up: the kernel's parent-death signal must do it
     proc.wait()
-    await wait_until(lambda: not [pid for pid in children if alive(pid)], 30)
+    try:
+        await wait_until(lambda: not [pid for pid in children if alive(pid)], 30)
+    except TimeoutError:
+        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+                for pid in children if alive(pid)]
+        pytest.fail(f"still running 30 s after SIGKILL of fairlane up: {left}")
     assert not _port_open(nats_port) and not _port_open(http_port)
