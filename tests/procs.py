@@ -58,6 +58,13 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

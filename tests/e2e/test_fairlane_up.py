@@ -9,13 +9,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from producer.client import FairlaneClient
 from tests.helpers import wait_until
-from tests.procs import alive, descendants
+from tests.procs import alive, cmdline, descendants
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -92,7 +91,6 @@ async def test_fairlane_up_killed_with_sigkill_takes_its_children_along(tmp_path
     try:
         await wait_until(lambda: not [pid for pid in children if alive(pid)], 30)
     except TimeoutError:
-        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
-                for pid in children if alive(pid)]
+        left = [cmdline(pid)[:120] for pid in children if alive(pid)]
         pytest.fail(f"still running 30 s after SIGKILL of fairlane up: {left}")
     assert not _port_open(nats_port) and not _port_open(http_port)
