@@ -46,6 +46,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from fairlane.protocol import ProtocolError, Usage, decode_usage
+from fairlane.runtime import cancel_and_wait
 from fairlane.subjects import Subjects
 
 log = structlog.get_logger(__name__)
@@ -475,13 +476,8 @@ class UsageSettler:
         self._task = asyncio.create_task(self._loop(), name="usage-settler")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

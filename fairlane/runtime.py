@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,15 @@ def now_ms() -> int:
 def mono_ms() -> float:
     """Monotonic milliseconds (for durations within one process)."""
     return time.monotonic_ns() / 1e6
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has really stopped."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fairlane.registry import choose
 from gpu_worker.config import WorkerSettings
 from gpu_worker.engine import Engine
 
@@ -25,10 +26,4 @@ ENGINES: dict[str, Callable[[WorkerSettings], Engine]] = {"sim": _sim, "vllm": _
 
 
 def make_engine(settings: WorkerSettings) -> Engine:
-    try:
-        factory = ENGINES[settings.engine]
-    except KeyError:
-        raise ValueError(
-            f"unknown engine {settings.engine!r}; choose one of {sorted(ENGINES)}"
-        ) from None
-    return factory(settings)
+    return choose(ENGINES, settings.engine, "engine")(settings)

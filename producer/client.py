@@ -42,7 +42,7 @@ from fairlane.protocol import (
 from fairlane.ratelimit import RateLimiter, RateLimits
 from fairlane.runtime import now_ms
 from fairlane.streams import ensure_streams
-from fairlane.subjects import REPLY_HEADER, Subjects
+from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -324,7 +324,8 @@ class FairlaneClient:
 
     async def resolve_tier(self, pool: str, tenant: str) -> str:
         try:
-            self.subjects.request(pool, "t", tenant)  # validates the ids first
+            check_id("pool", pool)
+            check_id("tenant", tenant)
         except ProtocolError as exc:
             raise RequestError(ErrorInfo.of(exc.code, exc.message)) from None
         info = await self.pool_info(pool, tenant)

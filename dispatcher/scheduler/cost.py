@@ -12,6 +12,7 @@ from typing import Protocol
 
 from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from fairlane.registry import choose
 
 
 class CostModel(Protocol):
@@ -93,10 +94,4 @@ _COST_MODELS: dict[str, Callable[[SchedulerConfig], CostModel]] = {
 
 
 def make_cost_model(config: SchedulerConfig) -> CostModel:
-    try:
-        factory = _COST_MODELS[config.cost_model]
-    except KeyError:
-        raise ValueError(
-            f"unknown cost model {config.cost_model!r}; choose one of {sorted(_COST_MODELS)}"
-        ) from None
-    return factory(config)
+    return choose(_COST_MODELS, config.cost_model, "cost model")(config)

@@ -19,6 +19,7 @@ from dispatcher.scheduler.cost import CostModel, make_cost_model
 from dispatcher.scheduler.drr import DrrPolicy
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
 from dispatcher.scheduler.vtc import VtcPolicy
+from fairlane.registry import choose
 
 __all__ = ["DrrPolicy", "Eligible", "FifoPolicy", "Policy", "VtcPolicy", "make_policy"]
 
@@ -99,10 +100,5 @@ _POLICIES: dict[str, Callable[[SchedulerConfig], Policy]] = {
 
 
 def make_policy(config: SchedulerConfig, cost_model: CostModel | None = None) -> Policy:
-    try:
-        factory = _POLICIES[config.policy]
-    except KeyError:
-        raise ValueError(
-            f"unknown policy {config.policy!r}; choose one of {sorted(_POLICIES)}"
-        ) from None
+    factory = choose(_POLICIES, config.policy, "policy")
     return factory(config, cost_model) if cost_model is not None else factory(config)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from fairlane.protocol import EngineLoad, WorkItem
+from fairlane.runtime import cancel_and_wait
 from fairlane.validation import estimate_prompt_tokens
 from gpu_worker.engine import EngineDead, EngineError, GenerationDelta, PromptTooLong
 from gpu_worker.sim.costmodel import CostModel, load_cost_model
@@ -221,13 +222,8 @@ class SimEngine:
         for seq in list(self._seqs.values()):
             if seq.state is not _State.FINISHED:
                 self._finish(seq, "abort")
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     # --- admission ----------------------------------------------------------------
 
