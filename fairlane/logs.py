@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Literal
 
 import structlog
+
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 def configure_logging(level: str = "info", json: bool = True) -> None:

@@ -7,10 +7,13 @@ import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 def now_ms() -> int:
@@ -30,6 +33,45 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+async def log_nats_error(exc: Exception) -> None:
+    """nats-py `error_cb`: one log line per error (its default logs a traceback for
+    every refused connection attempt, several a second while NATS is down)."""
+    log.warning("nats_error", error=repr(exc))
+
+
+class Stopped(Exception):
+    """A stop signal arrived before the awaited start-up step finished."""
+
+
+async def until_stopped(aw: Awaitable[T], stop: asyncio.Event) -> T:
+    """Await `aw` unless `stop` is set first: then cancel it and raise `Stopped`.
+
+    Start-up steps wait on things that may never come (NATS unreachable: nats-py
+    retries forever), and a process must still exit promptly on SIGTERM/SIGINT.
+    There is nothing to drain before start-up has finished, so abandoning it is safe.
+    """
+    task = asyncio.ensure_future(aw)
+    stop_wait = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves: take the step with us
+        task.cancel()
+        raise
+    finally:
+        stop_wait.cancel()
+    if task.done():
+        return task.result()
+    # Cancel until it takes: Python 3.11's wait_for swallows a cancel that lands as its
+    # inner future completes (nats-py's connect is built on it), and the step would run
+    # on for seconds.
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        task.result()
+    raise Stopped
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -1,10 +1,16 @@
 """Idempotent provisioning of the JetStream streams (DESIGN.md sections 3 and 4).
 
-Every process calls `ensure_streams` at start; the first creates the streams, later
-ones find them and bring their config up to date. Safe to run concurrently.
+Every process calls `ensure_streams` at start: the first creates the streams, and a
+later one changes an existing stream only in the settings it was explicitly given
+(a field left at None keeps the stream's value). Otherwise a process started with
+defaults would quietly undo what an operator set with the `nats` CLI or another
+process's flags. Each change is logged. Safe to run concurrently.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import msgspec
 import structlog
@@ -16,14 +22,46 @@ from fairlane.subjects import Subjects
 
 log = structlog.get_logger(__name__)
 
+_DAY_S = 86_400.0
+
 
 class StreamSettings(msgspec.Struct, kw_only=True):
-    # Per-tenant cap on queued requests (per subject fl.req.<pool>.<tier>.<tenant>):
-    # a flooding tenant is refused by the broker itself once it has this many waiting.
-    max_queued_per_tenant: int = 100_000
-    duplicate_window_s: float = 120.0  # idempotent-submit window for Nats-Msg-Id
-    usage_max_age_days: float = 30.0
-    replicas: int = 1
+    """Stream settings, part of every process's settings (each field a flag and env var).
+
+    None = not asked for: a new stream gets the built-in default, an existing one keeps
+    its value.
+    """
+
+    # Per-tenant cap on queued requests (max messages per subject
+    # fl.req.<pool>.<tier>.<tenant>): the broker refuses a flooding tenant's excess.
+    max_queued_per_tenant: int | None = None
+    duplicate_window_s: float | None = None  # idempotent-submit window (Nats-Msg-Id)
+    stream_replicas: int | None = None  # JetStream replicas of both streams (3 in a cluster)
+    requests_max_age_s: float | None = None  # FL_REQUESTS: oldest request kept; 0 = no limit
+    requests_max_bytes: int | None = None  # FL_REQUESTS: size cap in bytes; -1 = no limit
+    usage_max_age_s: float | None = None  # FL_USAGE: how long usage records are kept
+    usage_max_bytes: int | None = None  # FL_USAGE: size cap in bytes; -1 = no limit
+
+
+# Built-in values for a stream being created, where a setting is None.
+_REQUESTS_DEFAULTS: dict[str, Any] = dict(
+    max_msgs_per_subject=100_000, duplicate_window=120.0, num_replicas=1, max_age=0.0,
+    max_bytes=-1)
+_USAGE_DEFAULTS: dict[str, Any] = dict(
+    duplicate_window=120.0, num_replicas=1, max_age=30 * _DAY_S, max_bytes=-1)
+
+
+def _asked_requests(s: StreamSettings) -> dict[str, Any]:
+    asked = dict(max_msgs_per_subject=s.max_queued_per_tenant,
+                 duplicate_window=s.duplicate_window_s, num_replicas=s.stream_replicas,
+                 max_age=s.requests_max_age_s, max_bytes=s.requests_max_bytes)
+    return {k: v for k, v in asked.items() if v is not None}
+
+
+def _asked_usage(s: StreamSettings) -> dict[str, Any]:
+    asked = dict(duplicate_window=s.duplicate_window_s, num_replicas=s.stream_replicas,
+                 max_age=s.usage_max_age_s, max_bytes=s.usage_max_bytes)
+    return {k: v for k, v in asked.items() if v is not None}
 
 
 def requests_config(subjects: Subjects, s: StreamSettings) -> StreamConfig:
@@ -32,11 +70,9 @@ def requests_config(subjects: Subjects, s: StreamSettings) -> StreamConfig:
         subjects=[subjects.requests_all()],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
-        duplicate_window=s.duplicate_window_s,
-        max_msgs_per_subject=s.max_queued_per_tenant,
         discard=DiscardPolicy.NEW,
         discard_new_per_subject=True,
-        num_replicas=s.replicas,
+        **{**_REQUESTS_DEFAULTS, **_asked_requests(s)},
     )
 
 
@@ -46,29 +82,41 @@ def usage_config(subjects: Subjects, s: StreamSettings) -> StreamConfig:
         subjects=[subjects.usage_all()],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        max_age=s.usage_max_age_days * 86_400,
-        duplicate_window=s.duplicate_window_s,  # one usage record per request id
-        num_replicas=s.replicas,
+        # The duplicate window makes one usage record per request id.
+        **{**_USAGE_DEFAULTS, **_asked_usage(s)},
     )
 
 
-async def _ensure(js: JetStreamContext, config: StreamConfig) -> None:
+def _differs(current: Any, wanted: Any) -> bool:
+    if isinstance(wanted, float) or isinstance(current, float):
+        # nats-py reports durations as float seconds converted from nanoseconds.
+        return abs(float(current or 0) - float(wanted)) > 1e-6
+    return current != wanted
+
+
+async def _ensure(js: JetStreamContext, config: StreamConfig, asked: dict[str, Any]) -> None:
     try:
-        await js.stream_info(config.name)
+        info = await js.stream_info(config.name)
     except NotFoundError:
         try:
             await js.add_stream(config)
             log.info("stream_created", stream=config.name)
             return
-        except BadRequestError:
-            # Lost a creation race with another process: fall through to update.
-            pass
-    await js.update_stream(config)
+        except BadRequestError:  # lost a creation race with another process
+            info = await js.stream_info(config.name)
+    current = info.config
+    changes = {k: [getattr(current, k), v] for k, v in asked.items()
+               if _differs(getattr(current, k), v)}
+    if not changes:
+        return
+    await js.update_stream(dataclasses.replace(current, **{k: v for k, (_, v) in changes.items()}))
+    log.info("stream_updated", stream=config.name,
+             changes={k: f"{old} -> {new}" for k, (old, new) in changes.items()})
 
 
 async def ensure_streams(
     js: JetStreamContext, subjects: Subjects, settings: StreamSettings | None = None
 ) -> None:
     s = settings or StreamSettings()
-    await _ensure(js, requests_config(subjects, s))
-    await _ensure(js, usage_config(subjects, s))
+    await _ensure(js, requests_config(subjects, s), _asked_requests(s))
+    await _ensure(js, usage_config(subjects, s), _asked_usage(s))

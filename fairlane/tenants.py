@@ -39,16 +39,16 @@ from typing import Any, Literal
 import structlog
 import yaml
 
-from dispatcher.scheduler.config import SchedulerConfig, TenantConfig, TierConfig
-from fairlane.tenants_schema import (
+from fairlane.poolconfig import (
     DEFAULT_POOL,
     DEFAULT_TIER,
     PoolSpec,
-    TenantRecord,
-    TenantsFileError,
-    TierSpec,
-    hash_api_key,
+    SchedulerConfig,
+    TenantConfig,
+    TierConfig,
+    check_policy,
 )
+from fairlane.tenants_schema import TenantRecord, TenantsFileError, hash_api_key
 from fairlane.tenants_validate import Validator
 from fairlane.validation import RequestLimits
 
@@ -58,15 +58,17 @@ __all__ = [
     "DEFAULT_POOL",
     "DEFAULT_TIER",
     "PoolSpec",
+    "TenantConfig",
     "TenantRecord",
     "TenantsFile",
     "TenantsFileError",
     "TenantsWatcher",
-    "TierSpec",
+    "TierConfig",
     "default_tenants",
     "hash_api_key",
     "load_tenants",
     "parse_tenants",
+    "resolve_pool_config",
     "tenants_from_dict",
 ]
 
@@ -79,9 +81,9 @@ class TenantsFile:
     def __init__(
         self,
         *,
-        tiers: tuple[TierSpec, ...],
+        tiers: tuple[TierConfig, ...],
         pools: dict[str, PoolSpec],
-        tenants: dict[str, TenantRecord],
+        tenants: dict[str, TenantConfig],
         key_hashes: dict[str, str],
         path: str | None = None,
     ) -> None:
@@ -108,13 +110,13 @@ class TenantsFile:
     def num_api_keys(self) -> int:
         return len(self._key_hashes)
 
-    def tier(self, name: str) -> TierSpec | None:
+    def tier(self, name: str) -> TierConfig | None:
         for t in self.tiers:
             if t.name == name:
                 return t
         return None
 
-    def tenant(self, name: str) -> TenantRecord | None:
+    def tenant(self, name: str) -> TenantConfig | None:
         return self.tenants.get(name)
 
     def pool(self, name: str) -> PoolSpec:
@@ -131,7 +133,7 @@ class TenantsFile:
     def default_tier(self, pool: str) -> str:
         return self.pool(pool).default_tier or self.tiers[-1].name
 
-    def lookup_key(self, presented_key: str) -> TenantRecord | None:
+    def lookup_key(self, presented_key: str) -> TenantConfig | None:
         """The tenant owning `presented_key` (a plain-text key), or None."""
         if not presented_key:
             return None
@@ -159,50 +161,40 @@ class TenantsFile:
             max_stop_sequences=base.max_stop_sequences,
         )
 
-    def scheduler_config(self, pool: str) -> SchedulerConfig:
-        """A fresh `SchedulerConfig` for `pool` (tenants not allowed in it are left out)."""
-        spec = self.pool(pool)
-        tiers = [
-            TierConfig(
-                name=t.name,
-                floor_share=t.floor_share,
-                aging_ms=t.aging_ms,
-                engine_priority=t.engine_priority,
-            )
-            for t in self.tiers
-        ]
-        tenants = {
-            r.name: TenantConfig(
-                name=r.name,
-                tier=r.tier,
-                weight=r.weight,
-                max_concurrent=r.max_concurrent,
-                max_kv_tokens=r.max_kv_tokens,
-                max_queued=r.max_queued,
-            )
-            for r in self.tenants.values()
-            if r.allows_pool(pool)
-        }
-        return SchedulerConfig(
-            policy=spec.policy,
-            cost_model=spec.cost_model,
-            quantum=spec.quantum,
-            tiers=tiers,
-            tenants=tenants,
-            allow_unknown_tenants=spec.allow_unknown_tenants,
-            default_tenant=TenantConfig(name="_default", tier=self.default_tier(pool)),
-            max_queued_total=spec.max_queued_total,
-        )
-
 
 def default_tenants() -> TenantsFile:
     """The config used when no tenants file is given: open access, one tier, one pool."""
     return TenantsFile(
-        tiers=(TierSpec(name=DEFAULT_TIER),),
+        tiers=(TierConfig(name=DEFAULT_TIER),),
         pools={DEFAULT_POOL: PoolSpec(policy="drr", allow_unknown_tenants=True)},
         tenants={},
         key_hashes={},
         path=None,
+    )
+
+
+def resolve_pool_config(
+    tenants: TenantsFile | None, pool: str, *, policy_override: str | None = None
+) -> SchedulerConfig:
+    """The pool's scheduler config: tenants file (None = `default_tenants()`) + overrides.
+
+    The only place a `SchedulerConfig` is derived from configuration, called at start and
+    on every reload, so a command-line override (``--policy``) holds for the process's
+    whole life instead of turning every later file edit into a "policy changed" refusal.
+    Always a fresh object (the scheduler caches per-config state). KeyError: the pool is
+    not in the file; ValueError: the override names no policy.
+    """
+    tf = tenants if tenants is not None else default_tenants()
+    spec = tf.pool(pool)
+    return SchedulerConfig(
+        policy=check_policy(policy_override) if policy_override else spec.policy,
+        cost_model=spec.cost_model,
+        quantum=spec.quantum,
+        tiers=list(tf.tiers),
+        tenants={r.name: r for r in tf.tenants.values() if r.allows_pool(pool)},
+        allow_unknown_tenants=spec.allow_unknown_tenants,
+        default_tenant=TenantConfig(name="_default", tier=tf.default_tier(pool)),
+        max_queued_total=spec.max_queued_total,
     )
 
 

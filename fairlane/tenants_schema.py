@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 
+from fairlane.poolconfig import DEFAULT_POOL, DEFAULT_TIER, PoolSpec, TenantConfig, TierConfig
 from fairlane.protocol import ID_PATTERN
 
-DEFAULT_TIER = "standard"
-DEFAULT_POOL = "default"
+__all__ = ["DEFAULT_POOL", "DEFAULT_TIER", "PoolSpec", "TenantConfig", "TenantRecord",
+           "TenantsFileError", "TierConfig", "hash_api_key"]
+
 KEY_PREFIX = "sha256:"
 
 _ID_RE = re.compile(ID_PATTERN)
@@ -38,24 +38,8 @@ class TenantsFileError(ValueError):
 
 
 # --- schema (strict decoding; ranges and references are checked afterwards) ---
-
-
-class TierSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    name: str
-    floor_share: float = 0.0  # reserved fraction of dispatched cost, in [0, 1]
-    aging_ms: float = 0.0  # 0 = no aging
-    engine_priority: int = 0  # vLLM priority: lower runs first, evicted last
-
-
-class PoolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    policy: Literal["fifo", "drr", "vtc"] = "drr"
-    cost_model: Literal["requests", "tokens", "kv_seconds"] = "requests"
-    quantum: float = 1.0  # DRR budget per turn at weight 1, in cost units
-    max_tokens: int | None = None  # request limit (output tokens); None = built-in default
-    max_prompt_tokens: int | None = None  # request limit; None = built-in default
-    max_queued_total: int = 1_000_000
-    allow_unknown_tenants: bool = False  # in a file, unlisted tenants are refused by default
-    default_tier: str | None = None  # tier of unlisted tenants; None = lowest tier
+# Tiers and pools decode straight into the kernel's config types; a tenant's entry has
+# a shape of its own (optional tier, API keys) and becomes a `TenantConfig` once checked.
 
 
 class _TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -70,22 +54,8 @@ class _TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     api_keys: list[str] = []
 
 
-@dataclass(frozen=True, slots=True)
-class TenantRecord:
-    """A tenant as the edge and the dispatcher see it (keys are not kept here)."""
-
-    name: str
-    tier: str
-    weight: float = 1.0
-    max_concurrent: int | None = None  # sequences in flight
-    max_kv_tokens: int | None = None  # KV tokens in flight
-    max_queued: int | None = None  # requests waiting in the dispatcher
-    requests_per_min: int | None = None
-    tokens_per_min: int | None = None
-    pools: tuple[str, ...] | None = None  # None = every pool
-
-    def allows_pool(self, pool: str) -> bool:
-        return self.pools is None or pool in self.pools
+# The edge's historical name for a tenant's config: the same type, not a copy.
+TenantRecord = TenantConfig
 
 
 # --- keys ---

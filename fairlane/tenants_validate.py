@@ -19,9 +19,9 @@ from fairlane.tenants_schema import (
     DEFAULT_TIER,
     KEY_PREFIX,
     PoolSpec,
-    TenantRecord,
+    TenantConfig,
     TenantsFileError,
-    TierSpec,
+    TierConfig,
     _TenantSpec,
 )
 
@@ -80,8 +80,8 @@ class Validator:
 
     # sections
 
-    def run(self, data: Any) -> tuple[tuple[TierSpec, ...], dict[str, PoolSpec],
-                                     dict[str, TenantRecord], dict[str, str]]:
+    def run(self, data: Any) -> tuple[tuple[TierConfig, ...], dict[str, PoolSpec],
+                                     dict[str, TenantConfig], dict[str, str]]:
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -97,18 +97,18 @@ class Validator:
         tenants, key_hashes = self.tenants(data.get("tenants"), tiers, pools)
         return tiers, pools, tenants, key_hashes
 
-    def tiers(self, raw: Any) -> tuple[TierSpec, ...]:
+    def tiers(self, raw: Any) -> tuple[TierConfig, ...]:
         if raw is None:
-            return (TierSpec(name=DEFAULT_TIER),)
+            return (TierConfig(name=DEFAULT_TIER),)
         if not isinstance(raw, list):
             raise self.fail("tiers", f"expected a list (highest tier first), got {_kind(raw)}")
         if not raw:
             raise self.fail("tiers", "must list at least one tier (or be left out)")
-        out: list[TierSpec] = []
+        out: list[TierConfig] = []
         seen: set[str] = set()
         for i, item in enumerate(raw):
             path = f"tiers[{i}]"
-            t: TierSpec = self.convert(item, TierSpec, path)
+            t: TierConfig = self.convert(item, TierConfig, path)
             self.check_id(t.name, f"{path}.name", "tier name")
             if t.name in seen:
                 raise self.fail(f"{path}.name", f"duplicate tier {t.name!r}")
@@ -149,12 +149,12 @@ class Validator:
         return out
 
     def tenants(
-        self, raw: Any, tiers: tuple[TierSpec, ...], pools: dict[str, PoolSpec]
-    ) -> tuple[dict[str, TenantRecord], dict[str, str]]:
+        self, raw: Any, tiers: tuple[TierConfig, ...], pools: dict[str, PoolSpec]
+    ) -> tuple[dict[str, TenantConfig], dict[str, str]]:
         raw = self.mapping(raw, "tenants")
         tier_names = {t.name for t in tiers}
         lowest = tiers[-1].name
-        records: dict[str, TenantRecord] = {}
+        records: dict[str, TenantConfig] = {}
         key_hashes: dict[str, str] = {}
         for name, item in raw.items():
             self.check_id(name, f"tenants.{name}", "tenant id")
@@ -204,7 +204,7 @@ class Validator:
                     where = "twice for this tenant" if owner == name else f"also used by {owner!r}"
                     raise self.fail(kpath, f"duplicate API key hash ({where})")
                 key_hashes[digest] = name
-            records[name] = TenantRecord(
+            records[name] = TenantConfig(
                 name=name,
                 tier=tier,
                 weight=float(t.weight),

@@ -32,22 +32,39 @@ def uvicorn_config(settings: StreamerSettings, app) -> uvicorn.Config:
     )
 
 
+class _Server(uvicorn.Server):
+    """Also abandons start-up on SIGTERM/SIGINT: uvicorn looks at `should_exit` only
+    once it serves, and the lifespan's NATS connect may wait for ever."""
+
+    serve_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if not self.started and self.serve_task is not None:
+            # A signal handler: hand the cancel to the loop rather than touch it here.
+            self.serve_task.get_loop().call_soon_threadsafe(self.serve_task.cancel)
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(StreamerSettings, argv, prog="python -m streamer",
                              description="fairlane streamer: the public edge")
     configure_logging(settings.log_level, json=settings.log_json)
 
     async def _main(stop: asyncio.Event) -> int:
-        server = uvicorn.Server(uvicorn_config(settings, create_app(settings)))
+        server = _Server(uvicorn_config(settings, create_app(settings)))
         # uvicorn captures SIGINT/SIGTERM itself while serving (graceful shutdown), then
         # re-raises them, which also sets `stop`.
-        task = asyncio.create_task(server.serve())
+        task = server.serve_task = asyncio.create_task(server.serve())
         log.info("streamer_listening", host=settings.host, port=settings.port)
         stop_wait = asyncio.create_task(stop.wait())
         await asyncio.wait({task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
-        await task
         stop_wait.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            log.info("stopped_during_start")
+            return 0
         return 0 if server.started else 1
 
     return run(_main)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from fairlane.poolconfig import SchedulerConfig
 from fairlane.registry import choose
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from dispatcher.scheduler.config import SchedulerConfig, TierConfig
+from fairlane.poolconfig import SchedulerConfig, TierConfig
 
 
 class TierSelector:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from dispatcher.scheduler.config import SchedulerConfig, TenantConfig, TierConfig
+from fairlane.poolconfig import SchedulerConfig, TenantConfig, TierConfig
 from fairlane.tenants import (
     TenantsFileError,
     TenantsWatcher,
@@ -18,6 +18,7 @@ from fairlane.tenants import (
     hash_api_key,
     load_tenants,
     parse_tenants,
+    resolve_pool_config,
     tenants_from_dict,
 )
 
@@ -68,7 +69,7 @@ def write(tmp_path: Path, doc: dict, name: str = "tenants.yaml") -> Path:
 def test_example_file_loads_and_builds_scheduler_config():
     f = load_tenants(EXAMPLE)
     assert [t.name for t in f.tiers] == ["enterprise", "paid", "free"]
-    cfg = f.scheduler_config("default")
+    cfg = resolve_pool_config(f, "default")
     assert isinstance(cfg, SchedulerConfig)
     assert (cfg.policy, cfg.cost_model) == ("drr", "tokens")
     assert cfg.tenants["acme"].tier == "paid" and cfg.tenants["acme"].weight == 2.0
@@ -81,7 +82,7 @@ def test_example_file_loads_and_builds_scheduler_config():
 
 def test_round_trip_to_scheduler_config(tmp_path):
     f = load_tenants(write(tmp_path, base()))
-    cfg = f.scheduler_config("default")
+    cfg = resolve_pool_config(f, "default")
     assert cfg.policy == "drr" and cfg.cost_model == "tokens" and cfg.quantum == 512.0
     assert cfg.tiers == [
         TierConfig(name="enterprise", floor_share=0.5, aging_ms=0.0, engine_priority=0),
@@ -89,19 +90,21 @@ def test_round_trip_to_scheduler_config(tmp_path):
         TierConfig(name="free", floor_share=0.0, aging_ms=5000.0, engine_priority=10),
     ]
     assert cfg.tenants["acme"] == TenantConfig(
-        name="acme", tier="paid", weight=2.0, max_concurrent=4, max_kv_tokens=10000, max_queued=50
+        name="acme", tier="paid", weight=2.0, max_concurrent=4, max_kv_tokens=10000,
+        max_queued=50, requests_per_min=60, tokens_per_min=1000,
     )
     # A tenant with no tier lands in the lowest one.
     assert cfg.tenants["hobbyist"].tier == "free"
-    assert cfg.allow_unknown_tenants is False
-    assert cfg.tenant("stranger") is None
+    # One default everywhere: a pool that says nothing lets unlisted tenants in.
+    assert cfg.allow_unknown_tenants is SchedulerConfig().allow_unknown_tenants is True
+    assert cfg.tenant("stranger").tier == "free"
     assert cfg.default_tenant.tier == "free"
     assert cfg.max_queued_total == 1_000_000
 
 
 def test_pool_restrictions_and_pool_defaults(tmp_path):
     f = load_tenants(write(tmp_path, base()))
-    batch = f.scheduler_config("batch")
+    batch = resolve_pool_config(f, "batch")
     assert batch.policy == "vtc" and batch.cost_model == "requests"
     assert "globex" not in batch.tenants  # restricted to pool "default"
     assert set(batch.tenants) == {"acme", "hobbyist"}
@@ -111,15 +114,15 @@ def test_pool_restrictions_and_pool_defaults(tmp_path):
     assert f.tenant("globex").allows_pool("default")
     assert not f.tenant("globex").allows_pool("batch")
     with pytest.raises(KeyError, match="nope"):
-        f.scheduler_config("nope")
+        resolve_pool_config(f, "nope")
 
 
 def test_scheduler_config_is_fresh_each_call(tmp_path):
     f = load_tenants(write(tmp_path, base()))
-    a = f.scheduler_config("default")
-    a.tenants["acme"].weight = 99.0
+    a = resolve_pool_config(f, "default")
+    a.tenants.clear()
     a.tiers.clear()
-    b = f.scheduler_config("default")
+    b = resolve_pool_config(f, "default")
     assert b.tenants["acme"].weight == 2.0 and len(b.tiers) == 3
 
 
@@ -161,7 +164,7 @@ api_keys = ["{hash_api_key(ACME_KEY)}"]
         encoding="utf-8",
     )
     f = load_tenants(p)
-    cfg = f.scheduler_config("default")
+    cfg = resolve_pool_config(f, "default")
     assert cfg.policy == "fifo"
     assert cfg.tenants["acme"].weight == 3.5 and cfg.tenants["acme"].tier == "gold"
     assert f.lookup_key(ACME_KEY).name == "acme"
@@ -170,7 +173,7 @@ api_keys = ["{hash_api_key(ACME_KEY)}"]
 def test_minimal_and_empty_documents():
     f = parse_tenants("tenants: {acme: {}}\n")
     assert [t.name for t in f.tiers] == ["standard"]
-    cfg = f.scheduler_config("default")
+    cfg = resolve_pool_config(f, "default")
     assert cfg.policy == "drr" and cfg.tenants["acme"].tier == "standard"
     assert tenants_from_dict(None).tenants == {}
 
@@ -178,7 +181,7 @@ def test_minimal_and_empty_documents():
 def test_default_config_runs_with_no_file():
     f = default_tenants()
     assert f.is_default and f.num_api_keys == 0
-    cfg = f.scheduler_config("default")
+    cfg = resolve_pool_config(f, "default")
     assert cfg.policy == "drr"
     assert [t.name for t in cfg.tiers] == ["standard"]
     assert cfg.allow_unknown_tenants is True
@@ -391,7 +394,7 @@ def test_watcher_reloads_on_change(tmp_path):
     with capture_logs() as logs:
         assert w.maybe_reload() is True
     assert w.current.tenant("acme").weight == 7.0
-    assert w.current.scheduler_config("default").tenants["newco"].tier == "free"
+    assert resolve_pool_config(w.current, "default").tenants["newco"].tier == "free"
     assert w.last_error is None
     assert logs[0]["event"] == "tenants_reloaded" and logs[0]["num_tenants"] == 4
     assert w.maybe_reload() is False
@@ -452,5 +455,5 @@ def test_watcher_without_file_serves_the_default():
 
 @pytest.mark.unit
 def test_default_config_serves_any_pool():
-    cfg = default_tenants().scheduler_config("any-pool")
+    cfg = resolve_pool_config(default_tenants(), "any-pool")
     assert cfg.policy == "drr" and cfg.allow_unknown_tenants

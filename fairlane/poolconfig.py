@@ -1,0 +1,123 @@
+"""The one set of tier, tenant and pool configuration types (DESIGN.md section 5).
+
+The tenants file (`fairlane.tenants`) decodes into these, the dispatcher's scheduler
+core runs on them, and the edge reads tenants' rate limits from them: one type per
+concept, one default per knob. `fairlane.tenants.resolve_pool_config` is the only place
+a pool's `SchedulerConfig` is built from a file and command-line overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import msgspec
+
+DEFAULT_TIER = "standard"
+DEFAULT_POOL = "default"
+
+Policy = Literal["fifo", "drr", "vtc"]
+CostModelName = Literal["requests", "tokens", "kv_seconds"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+COST_MODELS: tuple[str, ...] = get_args(CostModelName)
+
+# Defaults shared by the tenants file's pool section and a bare `SchedulerConfig`, so a
+# pool behaves the same whether it was configured in a file or built in code.
+DEFAULT_POLICY: Policy = "drr"
+DEFAULT_COST_MODEL: CostModelName = "requests"
+DEFAULT_QUANTUM = 1.0
+DEFAULT_MAX_QUEUED_TOTAL = 1_000_000
+# Unlisted tenants run with the pool's default tenant settings unless the pool says
+# ``allow_unknown_tenants: false``. Open by default because the edge already refuses
+# unknown API keys, and NATS auth confines a direct publisher to its own subjects; a
+# pool that must refuse strangers says so (the demo tenants file does).
+DEFAULT_ALLOW_UNKNOWN_TENANTS = True
+
+
+class TierConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One tier (the tenants file's ``tiers`` entries); tiers are ordered, highest first."""
+
+    name: str
+    floor_share: float = 0.0  # reserved fraction of dispatched cost, in [0, 1] (soft)
+    aging_ms: float = 0.0  # how fast waiting work of this tier rises; 0 = no aging
+    engine_priority: int = 0  # vLLM priority: lower runs first, evicted last
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """A tenant as the edge and the dispatcher see it (API keys are not kept here)."""
+
+    name: str
+    tier: str = DEFAULT_TIER
+    weight: float = 1.0
+    max_concurrent: int | None = None  # sequences in flight
+    max_kv_tokens: int | None = None  # KV tokens (prompt + max output) in flight
+    max_queued: int | None = None  # requests waiting in the dispatcher
+    requests_per_min: int | None = None  # edge rate limit (Redis)
+    tokens_per_min: int | None = None  # edge rate limit (Redis)
+    pools: tuple[str, ...] | None = None  # None = every pool
+
+    def allows_pool(self, pool: str) -> bool:
+        return self.pools is None or pool in self.pools
+
+
+class PoolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """One pool of the tenants file's ``pools`` section."""
+
+    policy: Policy = DEFAULT_POLICY
+    cost_model: CostModelName = DEFAULT_COST_MODEL
+    quantum: float = DEFAULT_QUANTUM  # DRR budget per turn at weight 1, in cost units
+    max_tokens: int | None = None  # request limit (output tokens); None = built-in default
+    max_prompt_tokens: int | None = None  # request limit; None = built-in default
+    max_queued_total: int = DEFAULT_MAX_QUEUED_TOTAL
+    allow_unknown_tenants: bool = DEFAULT_ALLOW_UNKNOWN_TENANTS
+    default_tier: str | None = None  # tier of unlisted tenants; None = lowest tier
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Everything the scheduler core needs for one pool."""
+
+    policy: str = DEFAULT_POLICY  # one of POLICIES
+    cost_model: str = DEFAULT_COST_MODEL  # one of COST_MODELS
+    quantum: float = DEFAULT_QUANTUM
+    tiers: list[TierConfig] = field(default_factory=lambda: [TierConfig(DEFAULT_TIER)])
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    # Tenants not listed: allowed (with `default_tenant`'s settings) or refused with
+    # unknown_tenant.
+    allow_unknown_tenants: bool = DEFAULT_ALLOW_UNKNOWN_TENANTS
+    default_tenant: TenantConfig = field(default_factory=lambda: TenantConfig("_default"))
+    max_queued_total: int = DEFAULT_MAX_QUEUED_TOTAL
+    # Cost models (`dispatcher.scheduler.cost`).
+    prompt_token_weight: float = 1.0  # w_p of the `tokens` model
+    output_token_weight: float = 2.0  # w_q of the `tokens` model (as in VTC)
+    kv_step_ms: float = 30.0  # the pool's decode step time, for `kv_seconds` estimates
+    kv_prefill_ms_per_token: float = 0.1  # prefill time per prompt token, same purpose
+    # Tier floors are measured over this (exponentially decayed) window of dispatched cost.
+    share_window_ms: float = 10_000.0
+    # Throttling: the service rate is measured over this sliding window; 0 disables it.
+    throttle_window_ms: float = 10_000.0
+    _unknown: dict[str, TenantConfig] = field(default_factory=dict, repr=False, compare=False)
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        cfg = self.tenants.get(name)
+        if cfg is None and self.allow_unknown_tenants:
+            # Cached: this runs on every quota check, so don't allocate each time.
+            cfg = self._unknown.get(name)
+            if cfg is None:
+                cfg = self._unknown[name] = dataclasses.replace(self.default_tenant, name=name)
+        return cfg
+
+    def tier(self, name: str) -> TierConfig | None:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        return None
+
+
+def check_policy(policy: str) -> str:
+    """`policy` if it names a policy; ValueError listing the choices otherwise."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r} (expected one of: {'|'.join(POLICIES)})")
+    return policy
