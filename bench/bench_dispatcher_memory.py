@@ -21,10 +21,10 @@ import uuid
 import nats
 
 from dispatcher.config import DispatcherSettings
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.service import Dispatcher
 from fairlane.embedded import NatsServer
-from fairlane.protocol import InferenceRequest, encode
+from fairlane.poolconfig import SchedulerConfig
+from fairlane.protocol import InferenceRequest, SamplingParams, encode
 from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects
 
@@ -49,7 +49,7 @@ async def main(n: int, num_tenants: int) -> None:
             tenant = f"tenant{i % num_tenants}"
             req = InferenceRequest(request_id=rid, tenant=tenant, pool="p", tier="standard",
                                    reply_to=f"mem.inbox.bench.{rid}", prompt="hello " * 40,
-                                   max_tokens=128)
+                                   sampling=SamplingParams(max_tokens=128))
             futs.append(await js.publish_async(
                 subjects.request("p", "standard", tenant), encode(req),
                 headers={"Nats-Msg-Id": rid, REPLY_HEADER: req.reply_to}))

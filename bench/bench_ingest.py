@@ -47,7 +47,13 @@ from dispatcher.config import DispatcherSettings  # noqa: E402
 from dispatcher.service import Dispatcher  # noqa: E402
 from fairlane.embedded import NatsServer, find_nats_server  # noqa: E402
 from fairlane.logs import configure_logging  # noqa: E402
-from fairlane.protocol import InferenceRequest, PullRequest, decode_work_batch, encode  # noqa: E402
+from fairlane.protocol import (  # noqa: E402
+    InferenceRequest,
+    PullRequest,
+    SamplingParams,
+    decode_work_batch,
+    encode,
+)
 from fairlane.streams import ensure_streams  # noqa: E402
 from fairlane.subjects import REPLY_HEADER, Subjects  # noqa: E402
 from fairlane.tenants import TenantsWatcher  # noqa: E402
@@ -79,7 +85,8 @@ def requests(subjects: Subjects, n: int) -> list[tuple[str, bytes, dict]]:
         rid = uuid.uuid4().hex
         req = InferenceRequest(request_id=rid, tenant=tenant, pool=POOL, tier=TIER,
                                reply_to=f"{inbox}.{rid}", prompt="Summarise this paragraph. " * 8,
-                               max_tokens=128, created_ms=int(time.time() * 1000))
+                               sampling=SamplingParams(max_tokens=128),
+                               created_ms=int(time.time() * 1000))
         out.append((subjects.request(POOL, TIER, tenant), encode(req),
                     {"Nats-Msg-Id": rid, REPLY_HEADER: req.reply_to}))
     return out

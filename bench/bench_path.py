@@ -1,7 +1,7 @@
 """TTFT overhead of the request path at light load: `python bench/bench_path.py`.
 
 One request at a time (closed loop, concurrency 1), small ``max_tokens``, the default
-simulator cost model at ``time_scale`` 1.0 (real time). Variants, run side by side in
+simulator step-time model at ``time_scale`` 1.0 (real time). Variants, run side by side in
 interleaved rounds so that drift on a shared machine hits all of them alike:
 
 - ``direct``: `SimEngine.generate()` called in this process: the engine's own TTFT
@@ -43,13 +43,13 @@ from dispatcher.config import DispatcherSettings  # noqa: E402
 from dispatcher.service import Dispatcher  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
 from fairlane.logs import configure_logging  # noqa: E402
-from fairlane.protocol import InferenceRequest, WorkItem  # noqa: E402
+from fairlane.protocol import InferenceRequest, SamplingParams, WorkItem  # noqa: E402
 from fairlane.subjects import Subjects  # noqa: E402
 from fairlane.tenants import TenantsWatcher  # noqa: E402
 from gpu_worker.config import WorkerSettings  # noqa: E402
 from gpu_worker.service import Worker  # noqa: E402
 from gpu_worker.sim.engine import SimEngine  # noqa: E402
-from producer.client import FairlaneClient  # noqa: E402
+from producer.client import FairlaneClient, RequestSpec  # noqa: E402
 
 POOL = "default"  # the only pool of the default tenants config
 TENANT = "bench"
@@ -69,7 +69,7 @@ class Direct:
     name = "direct (SimEngine in-process)"
 
     def __init__(self, args) -> None:
-        self.engine = SimEngine(args.cost_model, time_scale=args.time_scale)
+        self.engine = SimEngine(args.step_model, time_scale=args.time_scale)
         self.args = args
 
     async def start(self) -> None:
@@ -77,7 +77,8 @@ class Direct:
 
     async def one(self) -> float:
         req = InferenceRequest(request_id=uuid.uuid4().hex, tenant=TENANT, pool=POOL, tier=TIER,
-                               reply_to="_", prompt=PROMPT, max_tokens=self.args.max_tokens)
+                               reply_to="_", prompt=PROMPT,
+                               sampling=SamplingParams(max_tokens=self.args.max_tokens))
         t0 = time.perf_counter()
         ttft = None
         async for d in self.engine.generate(WorkItem(request=req)):
@@ -112,7 +113,7 @@ class Fleet:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.children.append(subprocess.Popen(
                 [sys.executable, "-m", "gpu_worker", *common, "--engine", "sim",
-                 "--cost-model", a.cost_model, "--time-scale", str(a.time_scale),
+                 "--step-model", a.step_model, "--time-scale", str(a.time_scale),
                  "--coalesce-ms", str(self.coalesce_ms)],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         else:
@@ -120,7 +121,7 @@ class Fleet:
             self.dispatcher = make_dispatcher(ds)
             await self.dispatcher.start()
             ws = WorkerSettings(nats_url=self.url, prefix=prefix, pool=POOL, engine="sim",
-                                cost_model=a.cost_model, time_scale=a.time_scale,
+                                step_model=a.step_model, time_scale=a.time_scale,
                                 coalesce_ms=self.coalesce_ms)
             self.worker = Worker(ws, SimEngine.from_settings(ws))
             self.tasks.append(asyncio.create_task(self.worker.run(self.stop_event)))
@@ -137,8 +138,9 @@ class Fleet:
 
     async def one(self) -> float:
         t0 = time.perf_counter()
-        stream = await self.client.submit(tenant=TENANT, pool=POOL, tier=TIER, prompt=PROMPT,
-                                          max_tokens=self.args.max_tokens)
+        stream = await self.client.submit(RequestSpec(
+            tenant=TENANT, pool=POOL, tier=TIER, prompt=PROMPT,
+            sampling=SamplingParams(max_tokens=self.args.max_tokens)))
         ttft = None
         async for _chunk in stream:
             if ttft is None:
@@ -202,7 +204,7 @@ async def main_async(args) -> str:
         f"- machine: {machine()}",
         f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; code: {git_rev()}",
         f"- {len(base)} requests per variant, in {args.rounds} interleaved rounds; "
-        f"max_tokens={args.max_tokens}; cost model `{args.cost_model}`, time_scale={args.time_scale}; "
+        f"max_tokens={args.max_tokens}; step model `{args.step_model}`, time_scale={args.time_scale}; "
         f"uvloop; nats-server {server_version()} on loopback; measured phase {elapsed:.1f} s",
         "- TTFT = producer-side time from before `submit()` to the first chunk "
         "(direct: from `generate()` to the first delta)",
@@ -234,7 +236,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--cost-model", default="default")
+    ap.add_argument("--step-model", default="default")
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "path.md"))
     args = ap.parse_args()

@@ -1,8 +1,12 @@
 """Every message that crosses NATS, as msgspec Structs (DESIGN.md section 3).
 
 Rules for changing this module (msgspec schema evolution): append new fields with
-defaults, never reorder or retype existing ones, never reuse a tag. All messages are
-JSON so that an operator can publish or read one with the `nats` CLI.
+defaults, never reorder or retype existing ones, never reuse a tag. Decoders IGNORE
+unknown fields, so a newer producer's extra field (say ``logprobs``) reaches an older
+dispatcher or worker as a request it still serves, and mixed versions interoperate
+during a rolling upgrade; strictness belongs at the public edge (`streamer.schema`).
+`tests/unit/test_protocol_evolution.py` holds every message type to both rules. All
+messages are JSON so that an operator can publish or read one with the `nats` CLI.
 
 Decoding never raises a bare msgspec error: every decoder here raises
 `ProtocolError` (code ``malformed`` for unparsable bytes or a schema violation).
@@ -10,11 +14,15 @@ Decoding never raises a bare msgspec error: every decoder here raises
 
 from __future__ import annotations
 
-import enum
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
+
+# The error vocabulary lives in the dependency-free kernel module; re-exported here
+# because ErrorInfo is part of the wire protocol.
+from fairlane.errors import RETRYABLE_CODES as RETRYABLE_CODES
+from fairlane.errors import ErrorCode, ErrorInfo, FairlaneError
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -28,63 +36,13 @@ RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
 WorkerId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 
 
-class ErrorCode(enum.StrEnum):
-    """Stable error codes. Clients switch on these; never rename one."""
+class ProtocolError(FairlaneError):
+    """A payload could not be decoded or validated (code ``malformed`` by default)."""
 
-    MALFORMED = "malformed"  # bytes that are not a valid message
-    INVALID_REQUEST = "invalid_request"  # well-formed but semantically invalid
-    UNKNOWN_TENANT = "unknown_tenant"
-    UNAUTHORIZED = "unauthorized"
-    PROMPT_TOO_LONG = "prompt_too_long"
-    QUEUE_FULL = "queue_full"  # tenant's queue cap reached
-    THROTTLED = "throttled"  # predicted wait exceeds the TTFT budget/deadline
-    RATE_LIMITED = "rate_limited"
-    OVERLOADED = "overloaded"  # shed under overload
-    EXPIRED = "expired"  # deadline passed while queued
-    CANCELLED = "cancelled"
-    WORKER_LOST = "worker_lost"  # worker died after the request started (retryable)
-    ENGINE_ERROR = "engine_error"
-    SLOW_CONSUMER = "slow_consumer"
-    INTERNAL = "internal"
+    default_code = ErrorCode.MALFORMED
 
 
-RETRYABLE_CODES = frozenset(
-    {
-        ErrorCode.QUEUE_FULL,
-        ErrorCode.THROTTLED,
-        ErrorCode.RATE_LIMITED,
-        ErrorCode.OVERLOADED,
-        ErrorCode.WORKER_LOST,
-    }
-)
-
-
-class ProtocolError(Exception):
-    """A payload could not be decoded or validated. Carries a stable code."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.MALFORMED) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
-    code: ErrorCode
-    message: str
-    retryable: bool = False
-    retry_after_ms: int | None = None
-
-    @classmethod
-    def of(cls, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> ErrorInfo:
-        return cls(
-            code=code,
-            message=message,
-            retryable=code in RETRYABLE_CODES,
-            retry_after_ms=retry_after_ms,
-        )
-
-
-class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
+class ChatMessage(Struct, kw_only=True):
     role: Annotated[str, Meta(pattern=r"^(system|user|assistant|tool|developer)$")]
     content: str
 
@@ -92,7 +50,20 @@ class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
 # --- request path ---------------------------------------------------------------------
 
 
-class InferenceRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+class SamplingParams(Struct, kw_only=True, omit_defaults=True):
+    """How to sample a request's output: built once at the edge, mapped to its own
+    parameters by each engine adapter. A new knob is appended here with a default
+    (and mapped in `streamer.schema` and the engines); nothing between them changes.
+    Ranges are checked by `fairlane.validation.check_request`."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = []
+    seed: int | None = None
+
+
+class InferenceRequest(Struct, kw_only=True, omit_defaults=True):
     """One generation request, published to ``fl.req.<pool>.<tier>.<tenant>``.
 
     Exactly one of ``prompt``, ``messages`` or ``prompt_token_ids`` is set (checked by
@@ -107,17 +78,13 @@ class InferenceRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[int] | None = None
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: list[str] = []
-    seed: int | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: int = 0  # within the tenant: higher first
     deadline_ms: int | None = None  # absolute, unix epoch milliseconds
     ttft_budget_ms: int | None = None  # relative to created_ms; throttling uses it
     created_ms: int = 0  # unix epoch ms when the client submitted it
     return_token_ids: bool = False
-    # Expected output length for cost estimation; defaults to max_tokens when unset.
+    # Expected output length for cost estimation; defaults to sampling.max_tokens.
     expected_output_tokens: int | None = None
 
 
@@ -134,7 +101,7 @@ class WorkItem(Struct, kw_only=True, omit_defaults=True):
     ack_subject: str | None = None
 
 
-class PullRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+class PullRequest(Struct, kw_only=True):
     """Worker -> dispatcher on ``fl.work.<pool>``: "I have room for this much"."""
 
     worker_id: WorkerId
@@ -251,7 +218,7 @@ class Cancel(Struct, kw_only=True, omit_defaults=True):
 # --- pool info: producer -> dispatcher on fl.info.<pool> --------------------------------
 
 
-class PoolInfoRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+class PoolInfoRequest(Struct, kw_only=True):
     tenant: TenantId
 
 

@@ -1,7 +1,10 @@
 """Semantic checks of an `InferenceRequest` beyond its schema.
 
-Run by the producer before publishing (fail fast, nothing sent) and again by the
-dispatcher for requests that were published directly to NATS.
+`check_request` is the ONE owner of a request's cross-field rules (exactly one of
+prompt / messages / prompt_token_ids, ranges of the sampling parameters, limits): the
+producer library runs it before publishing (fail fast, nothing sent; the streamer
+publishes through that library) and the dispatcher runs it again for requests that
+were published straight to NATS. Edge schemas check only types and shapes.
 """
 
 from __future__ import annotations
@@ -47,15 +50,16 @@ def check_request(req: InferenceRequest, limits: RequestLimits) -> InferenceRequ
         raise invalid("prompt_token_ids is empty")
     if req.prompt_token_ids is not None and any(t < 0 for t in req.prompt_token_ids):
         raise invalid("prompt_token_ids must be non-negative")
-    if not 1 <= req.max_tokens <= limits.max_tokens:
-        raise invalid(f"max_tokens must be between 1 and {limits.max_tokens}, got {req.max_tokens}")
-    if not 0.0 <= req.temperature <= 2.0:
-        raise invalid(f"temperature must be in [0, 2], got {req.temperature}")
-    if not 0.0 < req.top_p <= 1.0:
-        raise invalid(f"top_p must be in (0, 1], got {req.top_p}")
-    if len(req.stop) > limits.max_stop_sequences:
+    sp = req.sampling
+    if not 1 <= sp.max_tokens <= limits.max_tokens:
+        raise invalid(f"max_tokens must be between 1 and {limits.max_tokens}, got {sp.max_tokens}")
+    if not 0.0 <= sp.temperature <= 2.0:
+        raise invalid(f"temperature must be in [0, 2], got {sp.temperature}")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise invalid(f"top_p must be in (0, 1], got {sp.top_p}")
+    if len(sp.stop) > limits.max_stop_sequences:
         raise invalid(f"at most {limits.max_stop_sequences} stop sequences")
-    if any(not s for s in req.stop):
+    if any(not s for s in sp.stop):
         raise invalid("stop sequences must be non-empty")
     if req.expected_output_tokens is not None and req.expected_output_tokens < 0:
         raise invalid("expected_output_tokens must be >= 0")
@@ -74,7 +78,8 @@ def check_request(req: InferenceRequest, limits: RequestLimits) -> InferenceRequ
 
 
 def estimate_prompt_tokens(req: InferenceRequest) -> int:
-    """Cheap prompt-length estimate for cost models before a tokenizer has seen it.
+    """Cheap prompt-length estimate (cost models, rate-limit reservations) before a
+    tokenizer has seen it. The only one: every process estimates the same way.
 
     ~4 characters per token is the usual English BPE ratio; the estimate is trued up
     from the worker's actual count when the request finishes.

@@ -12,16 +12,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from fairlane.errors import FairlaneError
 from fairlane.protocol import EngineLoad, ErrorCode, WorkItem
 
 
-class EngineError(Exception):
-    """A request failed inside the engine. `code` goes to the client as-is."""
+class EngineError(FairlaneError):
+    """A request failed inside the engine. Its `info()` goes to the client as-is."""
 
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    default_code = ErrorCode.ENGINE_ERROR
 
 
 class PromptTooLong(EngineError):

@@ -1,6 +1,6 @@
 """Per-request state of the worker: coalescing buffer, chunk numbering, usage.
 
-Pure bookkeeping (no NATS, no awaits): `gpu_worker.service` feeds it engine deltas
+Pure bookkeeping (no NATS, no awaits): `gpu_worker.serving` feeds it engine deltas
 and publishes what it builds. Times are monotonic seconds, passed in or read here.
 """
 

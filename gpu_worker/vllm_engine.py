@@ -361,13 +361,10 @@ class VllmEngine:
     # --- helpers --------------------------------------------------------------------
 
     def _build_prompt(self, item: WorkItem) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        # Which prompt form is set was checked before publishing and again by the
+        # dispatcher (`fairlane.validation.check_request`); the guards below only keep
+        # the engine from crashing on a request that skipped both.
         req = item.request
-        given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
-        if sum(given) != 1:
-            raise EngineError(
-                "exactly one of prompt, messages or prompt_token_ids must be set",
-                ErrorCode.INVALID_REQUEST,
-            )
         tokenization_kwargs = None
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
@@ -408,8 +405,8 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
-        req = item.request
-        if req.stop and self.config.skip_tokenizer_init:
+        sp = item.request.sampling
+        if sp.stop and self.config.skip_tokenizer_init:
             raise EngineError(
                 "stop strings need a tokenizer (skip_tokenizer_init is on)",
                 ErrorCode.INVALID_REQUEST,
@@ -417,11 +414,11 @@ class VllmEngine:
         try:
             return SamplingParams(
                 n=1,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                max_tokens=req.max_tokens,
-                stop=list(req.stop) or None,
-                seed=req.seed,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                max_tokens=sp.max_tokens,
+                stop=list(sp.stop) or None,
+                seed=sp.seed,
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=not self.config.skip_tokenizer_init,
             )

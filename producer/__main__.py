@@ -11,29 +11,34 @@ import json
 import sys
 import time
 
+import nats
+import nats.errors
+
 from fairlane.logs import configure_logging
 from fairlane.ratelimit import RateLimiter, RateLimits
-from fairlane.runtime import now_ms, run
+from fairlane.runtime import Stopped, now_ms, run, until_stopped
 from fairlane.settings import load_settings
 from fairlane.tenants import load_tenants
-from producer.client import FairlaneClient, RequestError
+from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams
 from producer.config import ProducerSettings
 
 
-def _submit_kwargs(s: ProducerSettings, limits: RateLimits | None) -> dict:
-    return dict(
-        tenant=s.tenant, pool=s.pool, tier=s.tier or None, prompt=s.prompt, max_tokens=s.max_tokens,
-        temperature=s.temperature, priority=s.priority, seed=s.seed,
-        ttft_budget_ms=s.ttft_budget_ms,
+def _spec(s: ProducerSettings) -> RequestSpec:
+    """The flags as the library's one request description (a fresh one per request:
+    the deadline is relative to now)."""
+    return RequestSpec(
+        tenant=s.tenant, pool=s.pool, tier=s.tier or None, prompt=s.prompt,
+        sampling=SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
+                                seed=s.seed),
+        priority=s.priority, ttft_budget_ms=s.ttft_budget_ms,
         deadline_ms=now_ms() + int(s.deadline_s * 1000) if s.deadline_s else None,
-        rate_limits=limits,
     )
 
 
 async def stream_one(client: FairlaneClient, s: ProducerSettings,
                      limits: RateLimits | None) -> int:
     try:
-        stream = await client.submit(**_submit_kwargs(s, limits))
+        stream = await client.submit(_spec(s), rate_limits=limits)
         async for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -45,7 +50,7 @@ async def stream_one(client: FairlaneClient, s: ProducerSettings,
                           f"completion_tokens={u.completion_tokens} ttft_ms={u.ttft_ms:.1f} "
                           f"queue_ms={u.queue_ms}]", file=sys.stderr)
     except RequestError as exc:
-        print(f"\nerror: {exc.error.code.value}: {exc.error.message}", file=sys.stderr)
+        print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -71,7 +76,7 @@ async def load(client: FairlaneClient, s: ProducerSettings, limits: RateLimits |
         async with sem:
             start = time.perf_counter()
             try:
-                stream = await client.submit(**_submit_kwargs(s, limits))
+                stream = await client.submit(_spec(s), rate_limits=limits)
                 first = None
                 async with asyncio.timeout(s.timeout_s):
                     async for chunk in stream:
@@ -81,7 +86,7 @@ async def load(client: FairlaneClient, s: ProducerSettings, limits: RateLimits |
                 ttft_ms.append((first - start) * 1000)
                 e2e_ms.append((time.perf_counter() - start) * 1000)
             except RequestError as exc:
-                errors[exc.error.code.value] = errors.get(exc.error.code.value, 0) + 1
+                errors[exc.code.value] = errors.get(exc.code.value, 0) + 1
             except TimeoutError:
                 errors["timeout"] = errors.get("timeout", 0) + 1
             done += 1
@@ -116,11 +121,40 @@ def _rate_limits(s: ProducerSettings) -> RateLimits | None:
     return RateLimits.of(record) if record else None
 
 
+async def _connect(nats_url: str) -> nats.NATS:
+    """NATS, or ConnectionError naming the URL: a CLI gives up where a service waits."""
+    failures: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        # nats-py's default prints a traceback per attempt; one line is enough.
+        if nc.is_connected or nc.is_reconnecting:
+            print(f"producer: NATS: {exc}", file=sys.stderr)
+        else:
+            failures.append(exc)
+
+    nc = nats.NATS()
+    try:
+        await nc.connect(nats_url, name="fairlane-producer", connect_timeout=2,
+                         max_reconnect_attempts=2, reconnect_time_wait=0.5, error_cb=on_error)
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        cause = failures[-1] if failures else exc
+        raise ConnectionError(f"cannot reach NATS at {nats_url}: {cause}") from None
+    return nc
+
+
 async def amain(s: ProducerSettings, stop: asyncio.Event) -> int:
     limits = _rate_limits(s)
-    limiter = RateLimiter.from_url(s.redis_url) if limits else None
-    client = await FairlaneClient.connect(s.nats_url, prefix=s.prefix, limiter=limiter)
     try:
+        nc = await until_stopped(_connect(s.nats_url), stop)
+    except Stopped:
+        return 130
+    except ConnectionError as exc:
+        print(f"producer: error: {exc}", file=sys.stderr)
+        return 1
+    limiter = RateLimiter.from_url(s.redis_url) if limits else None
+    client = FairlaneClient(nc, prefix=s.prefix, limiter=limiter, owns_connection=True)
+    try:
+        await until_stopped(client.start(), stop)
         work = asyncio.ensure_future(
             stream_one(client, s, limits) if s.count <= 1 else load(client, s, limits))
         stopper = asyncio.ensure_future(stop.wait())
@@ -130,6 +164,8 @@ async def amain(s: ProducerSettings, stop: asyncio.Event) -> int:
             return 130
         stopper.cancel()
         return work.result()
+    except Stopped:
+        return 130
     finally:
         await client.close()
         if limiter is not None:

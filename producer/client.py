@@ -1,12 +1,18 @@
 """The producer library: submit requests to JetStream, read tokens from core NATS.
 
+The one admission path of the fleet: `FairlaneClient.submit` validates a
+`RequestSpec` (`fairlane.validation.check_request`), reserves it against the rate
+limiter, publishes it idempotently and gives the reservation back if the publish is
+refused. The producer CLI and the streamer's HTTP and websocket edge all submit
+through it.
+
 One `FairlaneClient` per process holds ONE wildcard subscription on its inbox prefix
 (``<prefix>.inbox.<owner>.>``) and demultiplexes chunks into a bounded queue per
-request. That is the whole token relay: the streamer uses this client too.
+request. That is the whole token relay.
 
     client = await FairlaneClient.connect("nats://127.0.0.1:4222")
-    stream = await client.submit(tenant="acme", prompt="hi", max_tokens=64)
-    async for chunk in stream:
+    spec = RequestSpec(tenant="acme", prompt="hi", sampling=SamplingParams(max_tokens=64))
+    async for chunk in await client.submit(spec):
         print(chunk.text, end="")
 """
 
@@ -15,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import nats
@@ -24,15 +30,16 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
+from fairlane.errors import FairlaneError
 from fairlane.protocol import (
     Cancel,
-    ChatMessage,
     ErrorCode,
     ErrorInfo,
     InferenceRequest,
     PoolInfo,
     PoolInfoRequest,
     ProtocolError,
+    SamplingParams,
     TokenChunk,
     Usage,
     decode_chunk,
@@ -40,20 +47,29 @@ from fairlane.protocol import (
     encode,
 )
 from fairlane.ratelimit import RateLimiter, RateLimits
-from fairlane.runtime import now_ms
-from fairlane.streams import ensure_streams
+from fairlane.runtime import log_nats_error, now_ms
+from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
+from producer.spec import RequestSpec, new_request_id
+
+# The library's public names: callers import the request description from here.
+__all__ = ["Completion", "FairlaneClient", "RequestError", "RequestSpec", "RequestStream",
+           "SamplingParams"]
 
 log = structlog.get_logger(__name__)
 
 
-class RequestError(Exception):
-    """A request was refused or failed. `error.code` is a stable `ErrorCode`."""
+class RequestError(FairlaneError):
+    """A request was refused or failed: `code`, `message`, `retry_after_ms`, and the
+    same as one `ErrorInfo` in `error` (`exc.error.code` is a stable `ErrorCode`)."""
 
-    def __init__(self, error: ErrorInfo) -> None:
-        super().__init__(f"{error.code.value}: {error.message}")
-        self.error = error
+    @property
+    def error(self) -> ErrorInfo:
+        return self.info()
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.message}"
 
 
 @dataclass(slots=True)
@@ -116,11 +132,11 @@ class RequestStream:
                 chunk = await self._queue.get()
                 if chunk is None:
                     assert self.failure is not None
-                    raise RequestError(self.failure)
+                    raise RequestError.from_info(self.failure)
                 if chunk.error is not None:  # terminal, accepted whatever its seq
                     self._done = True
                     self.failure = chunk.error
-                    raise RequestError(chunk.error)
+                    raise RequestError.from_info(chunk.error)
                 if chunk.seq < self._next_seq:
                     continue  # duplicate delivery: drop
                 if chunk.seq > self._next_seq:
@@ -129,7 +145,7 @@ class RequestStream:
                         f"token stream gap: expected seq {self._next_seq}, got {chunk.seq}",
                     )
                     await self.cancel("stream_gap")
-                    raise RequestError(self.failure)
+                    raise RequestError.from_info(self.failure)
                 self._next_seq += 1
                 if chunk.finish_reason is not None:
                     self._done = True
@@ -199,14 +215,16 @@ class FairlaneClient:
 
     @classmethod
     async def connect(cls, nats_url: str, **kwargs) -> FairlaneClient:
-        nc = await nats.connect(nats_url, name="fairlane-producer", max_reconnect_attempts=-1)
+        nc = await nats.connect(nats_url, name="fairlane-producer", max_reconnect_attempts=-1,
+                                error_cb=log_nats_error)
         client = cls(nc, owns_connection=True, **kwargs)
         await client.start()
         return client
 
-    async def start(self, provision_streams: bool = True) -> None:
+    async def start(self, provision_streams: bool = True,
+                    stream_settings: StreamSettings | None = None) -> None:
         if provision_streams:
-            await ensure_streams(self.js, self.subjects)
+            await ensure_streams(self.js, self.subjects, stream_settings)
         if self._sub is None:
             self._sub = await self.nc.subscribe(
                 f"{self.inbox}.>", cb=self._on_chunk,
@@ -258,51 +276,25 @@ class FairlaneClient:
 
     async def submit(
         self,
+        spec: RequestSpec,
         *,
-        tenant: str,
-        pool: str = "default",
-        tier: str | None = None,
-        prompt: str | None = None,
-        messages: Sequence[ChatMessage] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        max_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] = (),
-        seed: int | None = None,
-        priority: int = 0,
-        deadline_ms: int | None = None,
-        ttft_budget_ms: int | None = None,
-        request_id: str | None = None,
-        return_token_ids: bool = False,
-        expected_output_tokens: int | None = None,
         rate_limits: RateLimits | None = None,
+        limits: RequestLimits | None = None,
     ) -> RequestStream:
-        """Validate and publish one request; returns its token stream.
+        """Validate, admit and publish one request; returns its token stream.
 
-        `tier` defaults to the tenant's tier as the pool's dispatcher knows it.
-        Raises `RequestError` if the request is invalid or the fleet refuses it
-        (e.g. ``queue_full`` when the tenant's queue cap is reached).
+        The tenant's tier is asked of the pool's dispatcher when `spec.tier` is None.
+        `rate_limits` (with the client's `limiter`) applies the tenant's requests/min
+        and tokens/min; `limits` overrides the pool's request limits (the edge reads
+        them from the tenants file). Raises `RequestError` if the request is invalid
+        or refused (e.g. ``rate_limited``, or ``queue_full`` at the tenant's queue cap).
         """
-        rid = request_id or uuid.uuid4().hex
-        if tier is None:
-            tier = await self.resolve_tier(pool, tenant)
-        try:
-            req = InferenceRequest(
-                request_id=rid, tenant=tenant, pool=pool, tier=tier,
-                reply_to=f"{self.inbox}.{rid}",
-                prompt=prompt,
-                messages=list(messages) if messages is not None else None,
-                prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop),
-                seed=seed, priority=priority, deadline_ms=deadline_ms,
-                ttft_budget_ms=ttft_budget_ms, created_ms=now_ms(),
-                return_token_ids=return_token_ids,
-                expected_output_tokens=expected_output_tokens,
-            )
-        except (TypeError, ValueError) as exc:
-            raise RequestError(ErrorInfo.of(ErrorCode.INVALID_REQUEST, str(exc))) from None
-        return await self.submit_request(req, rate_limits)
+        tier = spec.tier if spec.tier is not None else await self.resolve_tier(
+            spec.pool, spec.tenant)
+        rid = spec.request_id or new_request_id()
+        req = spec.to_request(request_id=rid, tier=tier, reply_to=f"{self.inbox}.{rid}",
+                              created_ms=now_ms())
+        return await self.submit_request(req, rate_limits, limits=limits)
 
     async def pool_info(self, pool: str, tenant: str) -> PoolInfo | None:
         """The pool dispatcher's view of `tenant` (cached), or None if no dispatcher
@@ -327,21 +319,22 @@ class FairlaneClient:
             check_id("pool", pool)
             check_id("tenant", tenant)
         except ProtocolError as exc:
-            raise RequestError(ErrorInfo.of(exc.code, exc.message)) from None
+            raise RequestError.from_error(exc) from None
         info = await self.pool_info(pool, tenant)
         if info is None:
-            raise RequestError(ErrorInfo.of(
-                ErrorCode.OVERLOADED,
-                f"no dispatcher answers for pool {pool!r}: pass tier= explicitly to queue "
-                f"the request anyway", retry_after_ms=1_000))
+            raise RequestError(
+                f"no dispatcher answers for pool {pool!r}: set the spec's tier to queue "
+                f"the request anyway", ErrorCode.OVERLOADED, retry_after_ms=1_000)
         if info.tier is None:
-            raise RequestError(ErrorInfo.of(
-                ErrorCode.UNKNOWN_TENANT, f"tenant {tenant!r} may not use pool {pool!r}"))
+            raise RequestError(f"tenant {tenant!r} may not use pool {pool!r}",
+                               ErrorCode.UNKNOWN_TENANT)
         return info.tier
 
     async def submit_request(self, req: InferenceRequest,
-                             rate_limits: RateLimits | None = None) -> RequestStream:
-        """Publish a prepared request (its reply_to is pointed at this client).
+                             rate_limits: RateLimits | None = None, *,
+                             limits: RequestLimits | None = None) -> RequestStream:
+        """Check, admit and publish a prepared request (its reply_to is pointed at
+        this client). `submit` builds one from a `RequestSpec` and lands here.
 
         With a `limiter` and `rate_limits`, the request and its estimated tokens are
         reserved first (refused with ``rate_limited`` and a retry hint when spent) and
@@ -350,47 +343,47 @@ class FairlaneClient:
         req.reply_to = f"{self.inbox}.{req.request_id}"
         try:
             subject = self.subjects.request(req.pool, req.tier, req.tenant)
+            pool_limits = await self._pool_limits(req)
+            check_request(req, limits or pool_limits)
         except ProtocolError as exc:
-            raise RequestError(ErrorInfo.of(exc.code, exc.message)) from None
-        info = await self.pool_info(req.pool, req.tenant)
-        limits = self.limits
-        if info is not None:
-            if info.tier is None:
-                raise RequestError(ErrorInfo.of(
-                    ErrorCode.UNKNOWN_TENANT,
-                    f"tenant {req.tenant!r} may not use pool {req.pool!r}"))
-            if info.tier != req.tier:
-                raise RequestError(ErrorInfo.of(
-                    ErrorCode.INVALID_REQUEST,
-                    f"tenant {req.tenant!r} is in tier {info.tier!r}, not {req.tier!r}"))
-            limits = RequestLimits(
-                max_tokens=info.max_tokens or limits.max_tokens,
-                max_prompt_chars=info.max_prompt_chars or limits.max_prompt_chars,
-                max_prompt_tokens=info.max_prompt_tokens or limits.max_prompt_tokens,
-            )
-        try:
-            check_request(req, limits)
-        except ProtocolError as exc:
-            raise RequestError(ErrorInfo.of(exc.code, exc.message)) from None
+            raise RequestError.from_error(exc) from None
         if req.request_id in self._streams:
-            raise RequestError(ErrorInfo.of(ErrorCode.INVALID_REQUEST,
-                                            f"request {req.request_id} is already streaming"))
+            raise RequestError(f"request {req.request_id} is already streaming",
+                               ErrorCode.INVALID_REQUEST)
         limited = self.limiter is not None and rate_limits is not None and not rate_limits.unlimited
         if limited:
-            est_tokens = estimate_prompt_tokens(req) + req.max_tokens
+            est_tokens = estimate_prompt_tokens(req) + req.sampling.max_tokens
             decision = await self.limiter.admit(req.tenant, rate_limits, est_tokens,
                                                 req.request_id, klass=req.pool)
             if not decision.allowed:
-                raise RequestError(ErrorInfo.of(
-                    ErrorCode.RATE_LIMITED, f"tenant {req.tenant!r} is over its rate limit",
-                    retry_after_ms=decision.retry_after_ms))
+                raise RequestError(f"tenant {req.tenant!r} is over its rate limit",
+                                   ErrorCode.RATE_LIMITED,
+                                   retry_after_ms=decision.retry_after_ms)
         try:
             return await self._publish(req, subject)
         except BaseException:
             if limited:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # best effort: reservations expire
                     await self.limiter.refund(req.tenant, req.request_id, klass=req.pool)
             raise
+
+    async def _pool_limits(self, req: InferenceRequest) -> RequestLimits:
+        """The pool's limits as its dispatcher states them (else the client's own);
+        refuses a tenant the dispatcher does not place in `req.tier`."""
+        info = await self.pool_info(req.pool, req.tenant)
+        if info is None:
+            return self.limits
+        if info.tier is None:
+            raise ProtocolError(f"tenant {req.tenant!r} may not use pool {req.pool!r}",
+                                ErrorCode.UNKNOWN_TENANT)
+        if info.tier != req.tier:
+            raise ProtocolError(f"tenant {req.tenant!r} is in tier {info.tier!r}, not {req.tier!r}",
+                                ErrorCode.INVALID_REQUEST)
+        return RequestLimits(
+            max_tokens=info.max_tokens or self.limits.max_tokens,
+            max_prompt_chars=info.max_prompt_chars or self.limits.max_prompt_chars,
+            max_prompt_tokens=info.max_prompt_tokens or self.limits.max_prompt_tokens,
+        )
 
     async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.
@@ -405,19 +398,19 @@ class FairlaneClient:
             })
         except APIError as exc:
             self._forget(req.request_id)
-            raise RequestError(_publish_error(exc)) from None
+            raise _publish_error(exc) from None
         except BaseException:  # incl. cancellation mid-publish: never leak the entry
             self._forget(req.request_id)
             raise
         return stream
 
 
-def _publish_error(exc: APIError) -> ErrorInfo:
+def _publish_error(exc: APIError) -> RequestError:
     text = str(exc.description or exc)
     if "maximum messages per subject" in text or exc.err_code == 10077:
-        return ErrorInfo.of(ErrorCode.QUEUE_FULL,
-                            "this tenant's queue is full; retry later", retry_after_ms=1_000)
-    if "maximum" in text:
-        return ErrorInfo.of(ErrorCode.OVERLOADED, f"request stream is full: {text}",
+        return RequestError("this tenant's queue is full; retry later", ErrorCode.QUEUE_FULL,
                             retry_after_ms=1_000)
-    return ErrorInfo.of(ErrorCode.INTERNAL, f"publish failed: {text}")
+    if "maximum" in text:
+        return RequestError(f"request stream is full: {text}", ErrorCode.OVERLOADED,
+                            retry_after_ms=1_000)
+    return RequestError(f"publish failed: {text}", ErrorCode.INTERNAL)

@@ -1,7 +1,8 @@
 """The streamer's ASGI app: routes, lifespan, ops endpoints.
 
 ``create_app(settings)`` connects everything in its lifespan; tests may pass their
-own ``client`` / ``limiter`` / ``tenants`` (those are then not closed by the app).
+own ``client`` / ``limiter`` / ``tenants`` (those are then not closed by the app). The
+client submits every request and applies the rate limits with the app's limiter.
 
 Routes
     POST /v1/completions, /v1/chat/completions   OpenAI-compatible (SSE when stream=true)
@@ -27,7 +28,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
+from fairlane.errors import ErrorCode
 from fairlane.ratelimit import RateLimiter, UsageSettler
+from fairlane.runtime import log_nats_error
 from fairlane.tenants import TenantsWatcher
 from fairlane.validation import RequestLimits
 from producer.client import FairlaneClient
@@ -74,17 +77,17 @@ async def metrics_endpoint(request: Request) -> Response:
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        err = EdgeError(404, NOT_FOUND, f"no route for {request.url.path}")
+        err = EdgeError(f"no route for {request.url.path}", NOT_FOUND)
     elif exc.status_code == 405:
-        err = EdgeError(405, METHOD_NOT_ALLOWED, f"method {request.method} not allowed here")
+        err = EdgeError(f"method {request.method} not allowed here", METHOD_NOT_ALLOWED)
     else:
-        err = EdgeError(exc.status_code, "http_error", str(exc.detail))
+        err = EdgeError(str(exc.detail), status=exc.status_code)
     return error_response(err)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled_error", path=request.url.path, error=repr(exc))
-    return error_response(EdgeError(500, "internal", "internal error", type_="server_error"))
+    return error_response(EdgeError("internal error", ErrorCode.INTERNAL))
 
 
 def create_app(
@@ -99,10 +102,14 @@ def create_app(
         state = app.state
         own_client = client is None
         own_limiter = limiter is None
+        lim = limiter
+        if lim is None:
+            lim = (RateLimiter.from_url(settings.redis_url, key_prefix=settings.prefix)
+                   if settings.redis_url else RateLimiter(None, key_prefix=settings.prefix))
         c = client
         if c is None:
             nc = await nats.connect(settings.nats_url, name="fairlane-streamer",
-                                    max_reconnect_attempts=-1)
+                                    max_reconnect_attempts=-1, error_cb=log_nats_error)
             c = FairlaneClient(
                 nc,
                 prefix=settings.prefix,
@@ -110,16 +117,14 @@ def create_app(
                 limits=RequestLimits(),
                 max_buffered_chunks=settings.max_buffered_chunks,
                 owns_connection=True,
+                limiter=lim,
             )
-            await c.start()
-        lim = limiter
-        if lim is None:
-            lim = (RateLimiter.from_url(settings.redis_url, key_prefix=settings.prefix)
-                   if settings.redis_url else RateLimiter(None, key_prefix=settings.prefix))
+            await c.start(stream_settings=settings)
+        elif c.limiter is None:
+            c.limiter = lim
         watcher = tenants or TenantsWatcher(settings.tenants_file or None)
         edge = Edge(
             c,
-            lim,
             watcher,
             default_max_tokens=settings.default_max_tokens,
             anonymous_tenant=settings.anonymous_tenant,

@@ -1,10 +1,11 @@
 """The streamer's errors and how they look on the wire (OpenAI's error shape).
 
-Every failure the edge reports is an `EdgeError`: an HTTP status, an OpenAI error
-``type``, a stable ``code`` (a `fairlane.protocol.ErrorCode` value, or one of the
-edge's own below) and a message meant for the caller. HTTP answers
-``{"error": {"message", "type", "param", "code"}}``; websocket error frames carry the
-same code and message.
+Every failure the edge reports is a `fairlane.errors.FairlaneError`: the edge's own
+refusals are `EdgeError`s (with the offending ``param`` when known), and the producer
+library's `RequestError`s pass through as they are. `EdgeError.of` gives any of them
+their HTTP status and OpenAI error ``type`` from the stable code, in one place. HTTP
+answers ``{"error": {"message", "type", "param", "code"}}``; websocket error frames
+carry the same code and message.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import math
 
 import msgspec
 
-from fairlane.protocol import ErrorCode, ErrorInfo
+from fairlane.errors import ErrorCode, FairlaneError
 
-# Edge-only codes (not on the NATS wire).
-MODEL_NOT_FOUND = "model_not_found"
-BODY_TOO_LARGE = "body_too_large"
-NOT_FOUND = "not_found"
-METHOD_NOT_ALLOWED = "method_not_allowed"
+# Edge-only codes, kept under their old names for importers.
+MODEL_NOT_FOUND = ErrorCode.MODEL_NOT_FOUND
+BODY_TOO_LARGE = ErrorCode.BODY_TOO_LARGE
+NOT_FOUND = ErrorCode.NOT_FOUND
+METHOD_NOT_ALLOWED = ErrorCode.METHOD_NOT_ALLOWED
 
 # ErrorCode -> (HTTP status, OpenAI error type)
 _STATUS: dict[ErrorCode, tuple[int, str]] = {
@@ -38,60 +39,41 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.ENGINE_ERROR: (500, "server_error"),
     ErrorCode.SLOW_CONSUMER: (400, "invalid_request_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
+    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.BODY_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
 }
 
 
-class EdgeError(Exception):
+class EdgeError(FairlaneError):
+    """A refusal at the edge; HTTP status and OpenAI type follow from `code` unless
+    `status` is given (a status the code table does not know, e.g. from Starlette)."""
+
+    default_code = ErrorCode.INVALID_REQUEST
+
     def __init__(
         self,
-        status: int,
-        code: str,
         message: str,
+        code: ErrorCode | str | None = None,
         *,
-        type_: str = "invalid_request_error",
         param: str | None = None,
         retry_after_ms: int | None = None,
-        retryable: bool = False,
+        status: int | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.type = type_
+        super().__init__(message, code, retry_after_ms=retry_after_ms)
+        default_status, self.type = _STATUS.get(self.code, (500, "server_error"))
+        self.status = status or default_status
         self.param = param
-        self.retry_after_ms = retry_after_ms
-        self.retryable = retryable
 
     @classmethod
-    def from_info(cls, info: ErrorInfo) -> EdgeError:
-        status, type_ = _STATUS.get(info.code, (500, "server_error"))
-        return cls(
-            status,
-            info.code.value,
-            info.message,
-            type_=type_,
-            retry_after_ms=info.retry_after_ms,
-            retryable=info.retryable,
-        )
-
-    @classmethod
-    def invalid(cls, message: str, param: str | None = None) -> EdgeError:
-        return cls(400, ErrorCode.INVALID_REQUEST.value, message, param=param)
+    def of(cls, exc: FairlaneError) -> EdgeError:
+        """`exc` with its HTTP face (itself if it already is an EdgeError)."""
+        return exc if isinstance(exc, EdgeError) else cls.from_error(exc)
 
     @classmethod
     def unauthorized(cls, message: str = "invalid API key") -> EdgeError:
-        return cls(401, ErrorCode.UNAUTHORIZED.value, message, type_="authentication_error")
-
-    @classmethod
-    def rate_limited(cls, retry_after_ms: int) -> EdgeError:
-        return cls(
-            429,
-            ErrorCode.RATE_LIMITED.value,
-            f"rate limit exceeded; retry after {retry_after_ms} ms",
-            type_="rate_limit_error",
-            retry_after_ms=retry_after_ms,
-            retryable=True,
-        )
+        return cls(message, ErrorCode.UNAUTHORIZED)
 
     @property
     def retry_after_s(self) -> int | None:
@@ -112,15 +94,9 @@ class EdgeError(Exception):
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code,
+                "code": self.code.value,
             }
         }
-
-    def to_info_dict(self) -> dict:
-        d: dict = {"code": self.code, "message": self.message, "retryable": self.retryable}
-        if self.retry_after_ms is not None:
-            d["retry_after_ms"] = self.retry_after_ms
-        return d
 
 
 def validation_message(exc: msgspec.ValidationError | msgspec.DecodeError) -> tuple[str, str | None]:

@@ -20,18 +20,12 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from fairlane.protocol import ChatMessage, ErrorCode
+from fairlane.errors import ErrorCode, FairlaneError
 from producer.client import RequestError, RequestStream
 from streamer import metrics
 from streamer.errors import BODY_TOO_LARGE, EdgeError, validation_message
-from streamer.schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    decode_chat,
-    decode_completion,
-    message_text,
-)
-from streamer.service import Edge, Principal, Submission, usage_dict
+from streamer.schema import decode_chat, decode_completion
+from streamer.service import Edge, Principal, usage_dict
 
 log = structlog.get_logger(__name__)
 
@@ -43,21 +37,21 @@ def json_response(body: Any, status: int = 200, headers: dict | None = None) -> 
     return Response(_json.encode(body), status, headers, media_type="application/json")
 
 
-def error_response(err: EdgeError) -> Response:
+def error_response(exc: FairlaneError) -> Response:
+    err = EdgeError.of(exc)
     return json_response(err.openai_body(), err.status, err.headers())
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    too_big = EdgeError(
-        413, BODY_TOO_LARGE, f"request body is larger than the limit of {max_bytes} bytes"
-    )
+    too_big = EdgeError(f"request body is larger than the limit of {max_bytes} bytes",
+                        BODY_TOO_LARGE)
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
             if int(declared) > max_bytes:
                 raise too_big
         except ValueError:
-            raise EdgeError.invalid("invalid Content-Length header") from None
+            raise EdgeError("invalid Content-Length header") from None
     body = bytearray()
     async for part in request.stream():
         body += part
@@ -68,64 +62,14 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     if not body.strip():
-        raise EdgeError.invalid("request body is empty: expected a JSON object")
+        raise EdgeError("request body is empty: expected a JSON object")
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
         msg, param = validation_message(exc)
-        raise EdgeError.invalid(f"invalid request: {msg}", param=param) from None
+        raise EdgeError(f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
-        raise EdgeError.invalid(f"request body is not valid JSON: {exc}") from None
-
-
-def completion_submission(req: CompletionRequest) -> Submission:
-    if req.echo:
-        raise EdgeError.invalid("echo is not supported", param="echo")
-    sub = _common_submission(req)
-    p = req.prompt
-    if isinstance(p, str):
-        sub.prompt = p
-    elif all(isinstance(x, int) for x in p):
-        sub.prompt_token_ids = list(p)  # type: ignore[arg-type]
-    elif len(p) == 1 and isinstance(p[0], str):
-        sub.prompt = p[0]
-    else:
-        raise EdgeError.invalid(
-            "prompt must be a string, a list of one string, or a list of token ids",
-            param="prompt",
-        )
-    if sub.prompt is not None and not sub.prompt.strip():
-        raise EdgeError.invalid("prompt is empty", param="prompt")
-    return sub
-
-
-def chat_submission(req: ChatCompletionRequest) -> Submission:
-    if req.logprobs:
-        raise EdgeError.invalid("logprobs are not supported", param="logprobs")
-    sub = _common_submission(req)
-    if req.max_completion_tokens is not None:
-        sub.max_tokens = req.max_completion_tokens
-    try:
-        sub.messages = [ChatMessage(role=m.role, content=message_text(m)) for m in req.messages]
-    except ValueError as exc:
-        raise EdgeError.invalid(str(exc), param="messages") from None
-    if not any(m.content.strip() for m in sub.messages):
-        raise EdgeError.invalid("messages have no content", param="messages")
-    return sub
-
-
-def _common_submission(req: CompletionRequest | ChatCompletionRequest) -> Submission:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return Submission(
-        model=req.model,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        stop=stop,
-        seed=req.seed,
-        priority=req.priority,
-        ttft_budget_ms=req.ttft_budget_ms,
-    )
+        raise EdgeError(f"request body is not valid JSON: {exc}") from None
 
 
 def _finish(reason: str | None) -> str:
@@ -163,15 +107,10 @@ class OpenAIApi:
         try:
             principal = self.principal(request)
             body = await read_body(request, self.max_body_bytes)
-            if chat:
-                req: Any = decode_body(decode_chat, body)
-                sub = chat_submission(req)
-            else:
-                req = decode_body(decode_completion, body)
-                sub = completion_submission(req)
+            req: Any = decode_body(decode_chat if chat else decode_completion, body)
             started = time.monotonic()
-            stream = await self.edge.start(principal, sub, endpoint)
-        except EdgeError as err:
+            stream = await self.edge.start(principal, req, endpoint, req.model)
+        except FairlaneError as err:
             return error_response(err)
         meta = _Meta(
             id=("chatcmpl-" if chat else "cmpl-") + stream.request_id,
@@ -202,7 +141,7 @@ class OpenAIApi:
             try:
                 done = collect.result()
             except RequestError as exc:
-                return error_response(EdgeError.from_info(exc.error))
+                return error_response(exc)
         finally:
             gone.cancel()
             metrics.ACTIVE.labels(meta.endpoint).dec()
@@ -260,10 +199,9 @@ class OpenAIApi:
             yield b"data: [DONE]\n\n"
         except RequestError as exc:
             finished = True  # the stream is over (the client lib cancels what it must)
-            if exc.error.code == ErrorCode.SLOW_CONSUMER:
+            if exc.code == ErrorCode.SLOW_CONSUMER:
                 metrics.SLOW_CONSUMERS.labels(meta.tenant, "sse").inc()
-            err = EdgeError.from_info(exc.error)
-            yield b"data: " + _json.encode(err.openai_body()) + b"\n\n"
+            yield b"data: " + _json.encode(EdgeError.of(exc).openai_body()) + b"\n\n"
         finally:
             metrics.ACTIVE.labels(meta.endpoint).dec()
             if not finished and not stream.is_done:

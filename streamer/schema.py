@@ -2,7 +2,10 @@
 
 These are *not* NATS wire messages (those live in `fairlane/protocol.py`); they are
 what a public client sends and receives. Unknown fields are refused, so a typo in a
-parameter name is a 400 that names it, never a silently ignored setting.
+parameter name is a 400 that names it, never a silently ignored setting. The schemas
+check types and shapes only; each maps its body ONCE, with `to_spec`, into the
+producer library's `RequestSpec`, whose cross-field rules (exactly one prompt form,
+non-empty prompt, the pool's limits) `fairlane.validation.check_request` owns.
 
 Websocket protocol on ``/v1/stream`` (JSON text frames; several requests may be in
 flight on one socket, each keyed by the client's own ``id``):
@@ -39,6 +42,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from fairlane.protocol import ChatMessage, SamplingParams
+from producer.spec import RequestSpec
+from streamer.errors import EdgeError
+
 CLOSE_NORMAL = 1000
 CLOSE_SERVICE_RESTART = 1012
 CLOSE_TOO_BIG = 1009
@@ -53,7 +60,8 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 BudgetMs = Annotated[int, Meta(ge=1, le=3_600_000)]
 ModelName = Annotated[str, Meta(min_length=1, max_length=64)]
 ClientId = Annotated[str, Meta(min_length=1, max_length=128)]
-StopList = Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=8)]
+StopString = Annotated[str, Meta(min_length=1, max_length=256)]
+StopList = Annotated[list[StopString], Meta(max_length=8)]
 
 
 class ContentPart(Struct, kw_only=True):
@@ -71,22 +79,37 @@ class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
-    model: ModelName
+class _Knobs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling and scheduling knobs every request body shares, mapped in one place.
+    A new sampling knob is a field here and a line in `_spec`."""
+
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    stop: Annotated[str, Meta(min_length=1, max_length=256)] | StopList | None = None
+    stop: StopString | StopList | None = None
     seed: Seed | None = None
+    # fairlane extensions
+    priority: Priority = 0
+    ttft_budget_ms: BudgetMs | None = None
+
+    def _spec(self, *, tenant: str, tier: str, pool: str, max_tokens: int,
+              **content: object) -> RequestSpec:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                                  top_p=self.top_p, stop=stop, seed=self.seed)
+        return RequestSpec(tenant=tenant, tier=tier, pool=pool, sampling=sampling,
+                           priority=self.priority, ttft_budget_ms=self.ttft_budget_ms,
+                           **content)  # type: ignore[arg-type]
+
+
+class _Common(_Knobs, kw_only=True):
+    model: ModelName
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Meta(ge=1, le=1)] = 1  # one choice per request
     user: Annotated[str, Meta(max_length=256)] | None = None
     presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None  # unsupported
     frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None  # unsupported
-    # fairlane extensions
-    priority: Priority = 0
-    ttft_budget_ms: BudgetMs | None = None
 
 
 class CompletionRequest(_Common):
@@ -95,27 +118,51 @@ class CompletionRequest(_Common):
     echo: bool = False
     logprobs: None = None
 
+    def to_spec(self, *, tenant: str, tier: str, pool: str, default_max_tokens: int) -> RequestSpec:
+        if self.echo:
+            raise EdgeError("echo is not supported", param="echo")
+        p = self.prompt
+        if isinstance(p, str):
+            content: dict = {"prompt": p}
+        elif all(isinstance(x, int) for x in p):
+            content = {"prompt_token_ids": list(p)}
+        elif len(p) == 1 and isinstance(p[0], str):
+            content = {"prompt": p[0]}
+        else:
+            raise EdgeError("prompt must be a string, a list of one string, or a list of "
+                            "token ids", param="prompt")
+        return self._spec(tenant=tenant, tier=tier, pool=pool,
+                          max_tokens=self.max_tokens or default_max_tokens, **content)
+
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1, max_length=1024)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
 
+    def to_spec(self, *, tenant: str, tier: str, pool: str, default_max_tokens: int) -> RequestSpec:
+        if self.logprobs:
+            raise EdgeError("logprobs are not supported", param="logprobs")
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return self._spec(tenant=tenant, tier=tier, pool=pool, max_tokens=max_tokens,
+                          messages=chat_messages(self.messages))
 
-class WsRequest(Struct, kw_only=True, forbid_unknown_fields=True, tag="request", tag_field="type"):
+
+class WsRequest(_Knobs, kw_only=True, tag="request", tag_field="type"):
     id: ClientId
     model: ModelName | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1, max_length=1024)] | None = None
     prompt_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
-    max_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    stop: StopList = []
-    seed: Seed | None = None
-    priority: Priority = 0
-    ttft_budget_ms: BudgetMs | None = None
     return_token_ids: bool = False
+
+    def to_spec(self, *, tenant: str, tier: str, pool: str, default_max_tokens: int) -> RequestSpec:
+        messages = None if self.messages is None else chat_messages(self.messages)
+        return self._spec(tenant=tenant, tier=tier, pool=pool,
+                          max_tokens=self.max_tokens or default_max_tokens,
+                          prompt=self.prompt, messages=messages,
+                          prompt_token_ids=self.prompt_token_ids,
+                          return_token_ids=self.return_token_ids)
 
 
 class WsCancel(Struct, kw_only=True, forbid_unknown_fields=True, tag="cancel", tag_field="type"):
@@ -187,6 +234,11 @@ def message_text(m: ChatMessageIn) -> str:
     out = []
     for part in m.content:
         if part.type != "text" or part.text is None:
-            raise ValueError(f"unsupported content part type {part.type!r}: only 'text' is supported")
+            raise EdgeError(f"unsupported content part type {part.type!r}: only 'text' is "
+                            f"supported", param="messages")
         out.append(part.text)
     return "".join(out)
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    return [ChatMessage(role=m.role, content=message_text(m)) for m in messages]

@@ -1,28 +1,28 @@
-"""The edge's one path for every transport: authenticate, check, admit, submit.
+"""The edge's one path for every transport: authenticate, pick the pool, submit.
 
-HTTP and websocket handlers turn their bodies into a `Submission`, call
-`Edge.start()` and relay the `RequestStream` it returns. Nothing here knows about
-Starlette, so the admission logic is testable without sockets.
+HTTP and websocket handlers decode their bodies (`streamer.schema`), call
+`Edge.start()` and relay the `RequestStream` it returns. Validation, rate-limit
+admission and publishing are the producer library's (`FairlaneClient.submit`), the
+same path the producer CLI takes. Nothing here knows about Starlette.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
-from fairlane.protocol import ChatMessage, ErrorCode, ErrorInfo
-from fairlane.ratelimit import RateLimiter, RateLimits
+from fairlane.errors import ErrorCode
+from fairlane.ratelimit import RateLimits
 from fairlane.tenants import TenantRecord, TenantsFile, TenantsWatcher
 from fairlane.validation import RequestLimits
-from producer.client import FairlaneClient, RequestError, RequestStream
+from producer.client import FairlaneClient, RequestError, RequestSpec, RequestStream
 from streamer import metrics
-from streamer.errors import MODEL_NOT_FOUND, EdgeError
+from streamer.errors import EdgeError
 
 log = structlog.get_logger(__name__)
 
@@ -37,44 +37,24 @@ class Principal:
     limits: RateLimits
 
 
-@dataclass(slots=True)
-class Submission:
-    model: str
-    request_id: str | None = None  # chosen by the caller (websocket) or generated
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    prompt_token_ids: list[int] | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    priority: int = 0
-    ttft_budget_ms: int | None = None
-    return_token_ids: bool = False
+class EdgeBody(Protocol):
+    """A decoded request body (`streamer.schema`) that maps itself to a `RequestSpec`."""
 
-
-def estimate_prompt_tokens(sub: Submission) -> int:
-    # ~4 characters per token (English BPE); trued up from actual usage at settlement.
-    if sub.prompt_token_ids is not None:
-        return len(sub.prompt_token_ids)
-    chars = len(sub.prompt or "") + sum(len(m.content) for m in sub.messages or ())
-    return max(1, (chars + 3) // 4)
+    def to_spec(self, *, tenant: str, tier: str, pool: str,
+                default_max_tokens: int) -> RequestSpec: ...
 
 
 class Edge:
     def __init__(
         self,
         client: FairlaneClient,
-        limiter: RateLimiter,
         tenants: TenantsWatcher,
         *,
         default_max_tokens: int = 256,
         anonymous_tenant: str = "",
         tenants_reload_s: float = 2.0,
     ) -> None:
-        self.client = client
-        self.limiter = limiter
+        self.client = client  # its limiter applies the tenants' rate limits
         self.tenants = tenants
         self.default_max_tokens = default_max_tokens
         self.anonymous_tenant = anonymous_tenant
@@ -129,77 +109,29 @@ class Edge:
         if model not in cfg.pools or (
             principal.record is not None and not principal.record.allows_pool(model)
         ):
-            raise EdgeError(
-                404, MODEL_NOT_FOUND, f"the model {model!r} does not exist", param="model"
-            )
+            raise EdgeError(f"the model {model!r} does not exist", ErrorCode.MODEL_NOT_FOUND,
+                            param="model")
         return cfg.request_limits(model, self.client.limits)
 
-    async def start(self, principal: Principal, sub: Submission, endpoint: str) -> RequestStream:
-        """Admit and publish; raise `EdgeError` with the reason when refused."""
-        limits = self.check_model(principal, sub.model)
-        max_tokens = sub.max_tokens if sub.max_tokens is not None else min(
-            self.default_max_tokens, limits.max_tokens
-        )
-        if max_tokens > limits.max_tokens:
-            raise EdgeError.invalid(
-                f"max_tokens must be between 1 and {limits.max_tokens}, got {max_tokens}",
-                param="max_tokens",
-            )
-        if sub.prompt_token_ids is not None and len(sub.prompt_token_ids) > limits.max_prompt_tokens:
-            raise EdgeError(
-                400,
-                ErrorCode.PROMPT_TOO_LONG.value,
-                f"prompt has {len(sub.prompt_token_ids)} tokens, over the limit of "
-                f"{limits.max_prompt_tokens}",
-                param="prompt",
-            )
-        request_id = sub.request_id or uuid.uuid4().hex
-        est = estimate_prompt_tokens(sub) + max_tokens
-        decision = await self.limiter.admit(
-            principal.tenant, principal.limits, est, request_id, klass=sub.model
-        )
-        if not decision.allowed:
-            metrics.REQUESTS.labels(principal.tenant, endpoint, "rate_limited").inc()
-            raise EdgeError.rate_limited(decision.retry_after_ms)
+    async def start(self, principal: Principal, body: EdgeBody, endpoint: str,
+                    model: str) -> RequestStream:
+        """Map `body` for `model` and submit it as `principal`; raise a
+        `FairlaneError` (an `EdgeError` or the library's `RequestError`) when refused."""
+        limits = self.check_model(principal, model)
+        spec = body.to_spec(tenant=principal.tenant, tier=principal.tier, pool=model,
+                            default_max_tokens=min(self.default_max_tokens, limits.max_tokens))
         try:
-            stream = await self.client.submit(
-                tenant=principal.tenant,
-                pool=sub.model,
-                tier=principal.tier,
-                prompt=sub.prompt,
-                messages=sub.messages,
-                prompt_token_ids=sub.prompt_token_ids,
-                max_tokens=max_tokens,
-                temperature=sub.temperature,
-                top_p=sub.top_p,
-                stop=sub.stop,
-                seed=sub.seed,
-                priority=sub.priority,
-                ttft_budget_ms=sub.ttft_budget_ms,
-                request_id=request_id,
-                return_token_ids=sub.return_token_ids,
-            )
+            stream = await self.client.submit(spec, rate_limits=principal.limits, limits=limits)
         except RequestError as exc:
-            await self._refund(principal, sub, request_id)
-            metrics.REQUESTS.labels(principal.tenant, endpoint, exc.error.code.value).inc()
-            raise EdgeError.from_info(exc.error) from None
+            metrics.REQUESTS.labels(principal.tenant, endpoint, exc.code.value).inc()
+            raise
         except Exception as exc:  # NATS down, timeouts: a 503, never a crash
-            await self._refund(principal, sub, request_id)
             metrics.REQUESTS.labels(principal.tenant, endpoint, "unavailable").inc()
             log.warning("submit_failed", tenant=principal.tenant, error=repr(exc))
-            raise EdgeError.from_info(
-                ErrorInfo.of(ErrorCode.OVERLOADED, "the fleet is unavailable; retry later", 1000)
-            ) from None
+            raise EdgeError("the fleet is unavailable; retry later", ErrorCode.OVERLOADED,
+                            retry_after_ms=1000) from None
         metrics.REQUESTS.labels(principal.tenant, endpoint, "accepted").inc()
         return stream
-
-    async def _refund(self, principal: Principal, sub: Submission, request_id: str) -> None:
-        if principal.limits.unlimited:
-            return
-        try:
-            await self.limiter.refund(principal.tenant, request_id, klass=sub.model)
-        except Exception as exc:  # best effort: the reservation expires anyway
-            log.warning("refund_failed", error=repr(exc))
 
 
 def usage_dict(usage: Any) -> dict | None:

@@ -159,7 +159,7 @@ class FakeFleet:
             err = ErrorInfo.of(ErrorCode(d["fail"]), f"fake fleet failure {d['fail']}")
             await self.nc.publish(req.reply_to, encode(TokenChunk(request_id=rid, seq=0, error=err)))
             return
-        n = int(d.get("n") or min(req.max_tokens, 8))
+        n = int(d.get("n") or min(req.sampling.max_tokens, 8))
         size = int(d.get("size") or 4)
         delay = float(d.get("delay_ms") or 0) / 1000
         piece = ("x" * size)[:size]

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import dataclass
 
 import msgspec
 import structlog
 from starlette.websockets import WebSocket
 
-from fairlane.protocol import ChatMessage, ErrorCode
+from fairlane.errors import ErrorCode, FairlaneError
 from producer.client import RequestError, RequestStream
 from streamer import metrics
 from streamer.errors import EdgeError, validation_message
@@ -39,9 +38,8 @@ from streamer.schema import (
     WsRequest,
     decode_client_frame,
     encode_frame,
-    message_text,
 )
-from streamer.service import Edge, Principal, Submission
+from streamer.service import Edge, Principal
 
 log = structlog.get_logger(__name__)
 
@@ -49,18 +47,16 @@ log = structlog.get_logger(__name__)
 @dataclass(eq=False, slots=True)
 class _Req:
     cid: str
-    request_id: str
-    pool: str
     task: asyncio.Task | None = None
     stream: RequestStream | None = None
     cancel_reason: str | None = None
 
 
-def _error_frame(cid: str | None, err: EdgeError) -> ErrorFrame:
+def _error_frame(cid: str | None, err: FairlaneError) -> ErrorFrame:
     return ErrorFrame(
         id=cid,
         error=ErrorBody(
-            code=err.code,
+            code=err.code.value,
             message=err.message,
             retryable=err.retryable,
             retry_after_ms=err.retry_after_ms,
@@ -132,10 +128,10 @@ class WsSession:
         except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
             text, param = validation_message(exc)
             cid = _peek_id(data)
-            self.emit(_error_frame(cid, EdgeError.invalid(f"invalid frame: {text}", param)))
+            self.emit(_error_frame(cid, EdgeError(f"invalid frame: {text}", param=param)))
             return
         except msgspec.DecodeError as exc:
-            self.emit(_error_frame(None, EdgeError.invalid(f"frame is not valid JSON: {exc}")))
+            self.emit(_error_frame(None, EdgeError(f"frame is not valid JSON: {exc}")))
             return
         if isinstance(frame, WsCancel):
             req = self.reqs.get(frame.id)
@@ -145,31 +141,27 @@ class WsSession:
             return
         assert isinstance(frame, WsRequest)
         if frame.id in self.reqs:
-            self.emit(_error_frame(frame.id, EdgeError.invalid(
-                f"a request with id {frame.id!r} is already in flight on this socket", "id")))
+            self.emit(_error_frame(frame.id, EdgeError(
+                f"a request with id {frame.id!r} is already in flight on this socket", param="id")))
             return
         if len(self.reqs) >= self.max_requests:
-            self.emit(_error_frame(frame.id, EdgeError.invalid(
+            self.emit(_error_frame(frame.id, EdgeError(
                 f"too many requests in flight on this socket (max {self.max_requests})")))
             return
-        try:
-            sub = _submission(frame, self.default_model)
-        except EdgeError as err:
-            self.emit(_error_frame(frame.id, err))
-            return
-        req = _Req(frame.id, sub.request_id or "", sub.model)
+        req = _Req(frame.id)
         self.reqs[frame.id] = req
-        req.task = asyncio.get_running_loop().create_task(self._pump(req, sub))
+        req.task = asyncio.get_running_loop().create_task(self._pump(req, frame))
 
     # --- one request ------------------------------------------------------------------
 
-    async def _pump(self, req: _Req, sub: Submission) -> None:
+    async def _pump(self, req: _Req, frame: WsRequest) -> None:
         cid = req.cid
         try:
             started = time.monotonic()
             try:
-                stream = await self.edge.start(self.principal, sub, "ws")
-            except EdgeError as err:
+                stream = await self.edge.start(self.principal, frame, "ws",
+                                               frame.model or self.default_model)
+            except FairlaneError as err:
                 self.emit(_error_frame(cid, err))
                 return
             req.stream = stream
@@ -194,14 +186,13 @@ class WsSession:
                         total_tokens=u.prompt_tokens + u.completion_tokens)
                     self.emit(EndFrame(id=cid, finish_reason=chunk.finish_reason, usage=usage))
         except RequestError as exc:
-            if exc.error.code == ErrorCode.SLOW_CONSUMER:
+            if exc.code == ErrorCode.SLOW_CONSUMER:
                 self.mark_slow("slow consumer: request buffer overflowed")
             else:
-                self.emit(_error_frame(cid, EdgeError.from_info(exc.error)))
+                self.emit(_error_frame(cid, exc))
         except Exception as exc:  # a bug must still end the request with a frame
             log.exception("ws_pump_failed", tenant=self.principal.tenant, error=repr(exc))
-            self.emit(_error_frame(cid, EdgeError(500, "internal", "internal error",
-                                                  type_="server_error")))
+            self.emit(_error_frame(cid, EdgeError("internal error", ErrorCode.INTERNAL)))
             if req.stream is not None and not req.stream.is_done:
                 self.edge.spawn(req.stream.cancel("internal_error"))
         finally:
@@ -263,39 +254,6 @@ def _peek_id(data: str | bytes) -> str | None:
     if isinstance(raw, dict) and isinstance(raw.get("id"), str):
         return raw["id"][:128]
     return None
-
-
-def _submission(frame: WsRequest, default_model: str) -> Submission:
-    given = sum(x is not None for x in (frame.prompt, frame.messages, frame.prompt_token_ids))
-    if given != 1:
-        raise EdgeError.invalid("exactly one of prompt, messages or prompt_token_ids must be set")
-    messages = None
-    if frame.messages is not None:
-        try:
-            messages = [ChatMessage(role=m.role, content=message_text(m)) for m in frame.messages]
-        except ValueError as exc:
-            raise EdgeError.invalid(str(exc), "messages") from None
-        if not any(m.content.strip() for m in messages):
-            raise EdgeError.invalid("messages have no content", "messages")
-    if frame.prompt is not None and not frame.prompt.strip():
-        raise EdgeError.invalid("prompt is empty", "prompt")
-    if frame.prompt_token_ids is not None and not frame.prompt_token_ids:
-        raise EdgeError.invalid("prompt_token_ids is empty", "prompt_token_ids")
-    return Submission(
-        model=frame.model or default_model,
-        request_id=uuid.uuid4().hex,
-        prompt=frame.prompt,
-        messages=messages,
-        prompt_token_ids=frame.prompt_token_ids,
-        max_tokens=frame.max_tokens,
-        temperature=frame.temperature,
-        top_p=frame.top_p,
-        stop=list(frame.stop),
-        seed=frame.seed,
-        priority=frame.priority,
-        ttft_budget_ms=frame.ttft_budget_ms,
-        return_token_ids=frame.return_token_ids,
-    )
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:

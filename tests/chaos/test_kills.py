@@ -16,7 +16,7 @@ import pytest
 from fairlane.protocol import ErrorCode, Started, decode_event
 from fairlane.subjects import Subjects
 from producer.client import FairlaneClient, RequestError
-from tests.helpers import wait_until
+from tests.helpers import spec, wait_until
 from tests.procs import Procs, kill9
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
@@ -65,8 +65,8 @@ async def test_dispatcher_kill9_under_load_every_request_completes_exactly_once(
     await client.start()
     num_requests = 120
     # tier given explicitly: submitting must work while no dispatcher is up.
-    streams = [await client.submit(tenant=f"t{i % 4}", pool="p", tier="standard",
-                                   prompt="hello", max_tokens=12, expected_output_tokens=12)
+    streams = [await client.submit(spec(tenant=f"t{i % 4}", pool="p", tier="standard",
+                                        prompt="hello", max_tokens=12, expected_output_tokens=12))
                for i in range(num_requests)]
     collectors = [asyncio.create_task(s.collect()) for s in streams]
     await wait_until(lambda: sum(c.done() for c in collectors) >= 20, 60)
@@ -94,8 +94,8 @@ async def test_worker_kill9_started_get_worker_lost_unstarted_run_elsewhere(
     await client.start()
     await wait_until(lambda: client.nc.is_connected, 5)
     # 8 slots + 4 prefetch on the doomed worker; long outputs so they are mid-stream.
-    streams = [await client.submit(tenant="acme", pool="p", tier="standard", prompt="x",
-                                   max_tokens=400, expected_output_tokens=400)
+    streams = [await client.submit(spec(tenant="acme", pool="p", tier="standard", prompt="x",
+                                        max_tokens=400, expected_output_tokens=400))
                for _ in range(12)]
     collectors = [asyncio.create_task(s.collect()) for s in streams]
     await wait_until(lambda: len(started) >= 8, 60)  # its batch is full and streaming

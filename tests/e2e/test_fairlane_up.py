@@ -13,7 +13,7 @@ import time
 import pytest
 
 from producer.client import FairlaneClient
-from tests.helpers import wait_until
+from tests.helpers import spec, wait_until
 from tests.procs import alive, cmdline, descendants
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -53,7 +53,7 @@ async def test_fairlane_up_serves_and_ctrl_c_leaves_no_process(tmp_path):
         assert len(children) >= 6  # nats, redis, dispatcher, 2 workers, streamer
 
         client = await FairlaneClient.connect(f"nats://127.0.0.1:{nats_port}")
-        done = await (await client.submit(tenant="acme", prompt="hi", max_tokens=8)).collect()
+        done = await (await client.submit(spec(tenant="acme", prompt="hi", max_tokens=8))).collect()
         await client.close()
         assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
 

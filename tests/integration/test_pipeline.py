@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import msgspec
 import pytest
 
 from dispatcher.config import DispatcherSettings
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.service import Dispatcher
-from fairlane.protocol import InferenceRequest, decode_usage, encode
+from fairlane.poolconfig import SchedulerConfig
+from fairlane.protocol import ChatMessage, decode_chunk, decode_usage, encode
 from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
 from gpu_worker.engines import make_engine
 from gpu_worker.service import Worker
 from producer.client import FairlaneClient
+from tests.helpers import request, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -45,9 +47,9 @@ async def fleet(nats_server, nc, uid):
 
 async def test_request_round_trip_tokens_in_order_with_usage_metered(fleet, nc):
     client, subjects = fleet
-    stream = await client.submit(tenant="acme", pool="p", prompt="hello world",
-                                 max_tokens=40, expected_output_tokens=40,
-                                 return_token_ids=True)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hello world",
+                                      max_tokens=40, expected_output_tokens=40,
+                                      return_token_ids=True))
     seqs, texts = [], []
     last = None
     async for chunk in stream:
@@ -72,8 +74,8 @@ async def test_request_round_trip_tokens_in_order_with_usage_metered(fleet, nc):
 
 async def test_many_concurrent_requests_all_complete(fleet):
     client, _ = fleet
-    streams = [await client.submit(tenant=f"t{i % 3}", pool="p", prompt="hi", max_tokens=8,
-                                   expected_output_tokens=8) for i in range(30)]
+    streams = [await client.submit(spec(tenant=f"t{i % 3}", pool="p", prompt="hi", max_tokens=8,
+                                        expected_output_tokens=8)) for i in range(30)]
     done = await asyncio.gather(*(s.collect() for s in streams))
     assert all(d.finish_reason == "length" and d.usage.completion_tokens == 8 for d in done)
 
@@ -81,9 +83,9 @@ async def test_many_concurrent_requests_all_complete(fleet):
 async def test_same_request_id_published_twice_generates_once(fleet, nc):
     client, subjects = fleet
     rid = uuid.uuid4().hex
-    req = InferenceRequest(request_id=rid, tenant="acme", pool="p", tier="standard",
-                           reply_to=f"{client.inbox}.{rid}", prompt="hi", max_tokens=5,
-                           expected_output_tokens=5)
+    req = request(request_id=rid, tenant="acme", pool="p", tier="standard",
+                  reply_to=f"{client.inbox}.{rid}", prompt="hi", max_tokens=5,
+                  expected_output_tokens=5)
     started = []
 
     async def on_event(msg) -> None:
@@ -97,3 +99,27 @@ async def test_same_request_id_published_twice_generates_once(fleet, nc):
     assert (await stream.collect()).usage.completion_tokens == 5
     await nc.flush()
     assert len(started) == 1
+
+
+async def test_request_from_a_newer_producer_with_unknown_fields_is_served(fleet, nc):
+    """Rolling upgrade: a producer one version ahead adds fields this dispatcher and
+    worker do not know (top level and nested); they ignore them and serve it."""
+    client, subjects = fleet
+    rid = uuid.uuid4().hex
+    reply = f"{client.inbox}.{rid}"
+    req = request(request_id=rid, tenant="acme", pool="p", tier="standard", reply_to=reply,
+                  messages=[ChatMessage(role="user", content="hi")], max_tokens=6,
+                  expected_output_tokens=6)
+    body = msgspec.json.decode(encode(req))
+    body["logprobs"] = 5
+    body["sampling"]["min_p"] = 0.05
+    body["messages"][0]["name"] = "alice"
+    sub = await nc.subscribe(reply)
+    await nc.jetstream().publish(subjects.request("p", "standard", "acme"),
+                                 msgspec.json.encode(body), headers={"Nats-Msg-Id": rid})
+    chunks = []
+    while not (chunks and chunks[-1].is_last):
+        chunks.append(decode_chunk((await sub.next_msg(timeout=10)).data))
+    await sub.unsubscribe()
+    assert chunks[-1].error is None, chunks[-1].error
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6

@@ -8,7 +8,7 @@ from fairlane.protocol import ErrorCode
 from fairlane.ratelimit import RateLimiter, RateLimits
 from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import Subjects
-from producer.client import FairlaneClient, RequestError
+from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -20,17 +20,19 @@ async def test_producer_refuses_over_the_limit_and_refunds_refused_publishes(
     await client.start()
     limits = RateLimits(requests_per_min=2)
     tenant = f"acme{uid}"
-    kwargs = dict(tenant=tenant, pool="p", tier="standard", prompt="hi", max_tokens=4,
-                  rate_limits=limits)
+    spec = RequestSpec(tenant=tenant, pool="p", tier="standard", prompt="hi",
+                       sampling=SamplingParams(max_tokens=4))
     for _ in range(2):
-        await client.submit(**kwargs)  # no dispatcher needed: JetStream queues them
+        await client.submit(spec, rate_limits=limits)  # no dispatcher: JetStream queues them
     with pytest.raises(RequestError) as err:
-        await client.submit(**kwargs)
+        await client.submit(spec, rate_limits=limits)
     assert err.value.error.code == ErrorCode.RATE_LIMITED
     assert err.value.error.retryable and err.value.error.retry_after_ms > 0
+    assert err.value.code == ErrorCode.RATE_LIMITED and err.value.retryable  # the same, flat
     # Other tenants and unlimited submissions are unaffected.
-    await client.submit(**{**kwargs, "tenant": f"globex{uid}"})
-    await client.submit(**{**kwargs, "rate_limits": None})
+    other = RequestSpec(tenant=f"globex{uid}", pool="p", tier="standard", prompt="hi")
+    await client.submit(other, rate_limits=limits)
+    await client.submit(spec, rate_limits=None)
     await client.close()
     await limiter.close()
 
@@ -44,15 +46,15 @@ async def test_refused_publish_gives_the_reservation_back(nats_server, redis_ser
     client = FairlaneClient(nc, prefix=subjects.prefix, limiter=limiter)
     await client.start(provision_streams=False)
     limits = RateLimits(requests_per_min=2)
-    kwargs = dict(tenant="acme", pool="p", tier="standard", prompt="hi", rate_limits=limits)
-    await client.submit(**kwargs)
+    spec = RequestSpec(tenant="acme", pool="p", tier="standard", prompt="hi")
+    await client.submit(spec, rate_limits=limits)
     with pytest.raises(RequestError) as err:
-        await client.submit(**kwargs)  # reserved, then refused by the broker
+        await client.submit(spec, rate_limits=limits)  # reserved, then refused by the broker
     assert err.value.error.code == ErrorCode.QUEUE_FULL
     await js.purge_stream(subjects.requests_stream)
-    await client.submit(**kwargs)  # admitted: the refused one's reservation came back
+    await client.submit(spec, rate_limits=limits)  # admitted: the refused one's came back
     with pytest.raises(RequestError) as err:
-        await client.submit(**kwargs)
+        await client.submit(spec, rate_limits=limits)
     assert err.value.error.code == ErrorCode.RATE_LIMITED
     await client.close()
     await limiter.close()

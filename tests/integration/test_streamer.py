@@ -112,7 +112,7 @@ async def test_openai_sdk_chat_non_streaming(stack):
     assert resp.id.startswith("chatcmpl-")
     req = stack.fleet.requests[-1]
     assert req.tenant == "alpha" and req.tier == "paid" and req.pool == "default"
-    assert req.max_tokens == 20
+    assert req.sampling.max_tokens == 20
 
 
 async def test_openai_sdk_completions_non_streaming_and_token_prompt(stack):

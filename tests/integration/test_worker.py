@@ -27,7 +27,6 @@ from fairlane.protocol import (
     ErrorCode,
     Finished,
     Heartbeat,
-    InferenceRequest,
     PullRequest,
     Requeue,
     Started,
@@ -44,6 +43,7 @@ from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
 from gpu_worker.service import EXIT_ENGINE_DEAD, Worker
 from gpu_worker.sim.engine import SimEngine
+from tests.helpers import request
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -144,7 +144,7 @@ def work_item(subjects: Subjects, rid: str, *, out: int = 8, max_tokens: int = 5
               prompt: str = "hello simulator " * 8, tenant: str = "acme",
               return_token_ids: bool = False) -> WorkItem:
     return WorkItem(
-        request=InferenceRequest(
+        request=request(
             request_id=rid,
             tenant=tenant,
             pool=POOL,

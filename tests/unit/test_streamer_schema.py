@@ -1,4 +1,4 @@
-"""Pure parts of the streamer: request schemas, submissions, error mapping."""
+"""Pure parts of the streamer: request schemas, their mapping to RequestSpec, errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from fairlane.protocol import ErrorCode, ErrorInfo
 from streamer.errors import EdgeError, validation_message
-from streamer.http_api import chat_submission, completion_submission, decode_body
+from streamer.http_api import decode_body
 from streamer.schema import (
     EndFrame,
     ErrorBody,
@@ -26,15 +26,22 @@ from streamer.schema import (
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
+def to_spec(body, default_max_tokens: int = 99):
+    return body.to_spec(tenant="acme", tier="paid", pool="m",
+                        default_max_tokens=default_max_tokens)
+
+
 def test_completion_prompt_forms():
-    sub = completion_submission(decode_completion.decode(b'{"model":"m","prompt":"hi"}'))
-    assert sub.prompt == "hi" and sub.prompt_token_ids is None
-    sub = completion_submission(decode_completion.decode(b'{"model":"m","prompt":[5,6]}'))
-    assert sub.prompt_token_ids == [5, 6]
-    sub = completion_submission(decode_completion.decode(b'{"model":"m","prompt":["one"]}'))
-    assert sub.prompt == "one"
+    spec = to_spec(decode_completion.decode(b'{"model":"m","prompt":"hi"}'))
+    assert spec.prompt == "hi" and spec.prompt_token_ids is None
+    assert (spec.tenant, spec.tier, spec.pool) == ("acme", "paid", "m")
+    assert spec.sampling.max_tokens == 99  # the edge's default when the body has none
+    spec = to_spec(decode_completion.decode(b'{"model":"m","prompt":[5,6]}'))
+    assert spec.prompt_token_ids == [5, 6]
+    spec = to_spec(decode_completion.decode(b'{"model":"m","prompt":["one"]}'))
+    assert spec.prompt == "one"
     with pytest.raises(EdgeError) as e:
-        completion_submission(decode_completion.decode(b'{"model":"m","prompt":["a", 1]}'))
+        to_spec(decode_completion.decode(b'{"model":"m","prompt":["a", 1]}'))
     assert e.value.status == 400 and e.value.param == "prompt"
 
 
@@ -43,12 +50,31 @@ def test_chat_content_parts_and_stop_string():
         "model": "m", "stop": "END", "max_completion_tokens": 7,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                   {"type": "text", "text": "b"}]}]}).encode())
-    sub = chat_submission(req)
-    assert sub.messages[0].content == "ab" and sub.stop == ["END"] and sub.max_tokens == 7
+    spec = to_spec(req)
+    assert spec.messages[0].content == "ab"
+    assert spec.sampling.stop == ["END"] and spec.sampling.max_tokens == 7
     req = decode_chat.decode(json.dumps({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode())
     with pytest.raises(EdgeError, match="only 'text'"):
-        chat_submission(req)
+        to_spec(req)
+
+
+def test_every_body_maps_sampling_the_same_way():
+    knobs = {"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "stop": ["x"], "seed": 3,
+             "priority": 2, "ttft_budget_ms": 500}
+    bodies = [
+        decode_completion.decode(json.dumps({"model": "m", "prompt": "p", **knobs})),
+        decode_chat.decode(json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "p"}], **knobs})),
+        decode_client_frame.decode(json.dumps({"type": "request", "id": "c", "prompt": "p",
+                                               "return_token_ids": True, **knobs})),
+    ]
+    specs = [to_spec(b) for b in bodies]
+    for spec in specs:
+        assert msgspec.structs.asdict(spec.sampling) == {
+            k: knobs[k] for k in ("max_tokens", "temperature", "top_p", "stop", "seed")}
+        assert (spec.priority, spec.ttft_budget_ms) == (2, 500)
+    assert specs[2].return_token_ids and specs[2].prompt == "p"
 
 
 @pytest.mark.parametrize("body,needle", [
