@@ -24,10 +24,21 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
 from dispatcher.held import Held, HeldMessages
-from dispatcher.scheduler.config import SchedulerConfig
+from dispatcher.scheduler.actions import (
+    Ack,
+    Action,
+    Adopted,
+    Hold,
+    Nak,
+    Released,
+    Requeued,
+    SendError,
+    Term,
+)
 from dispatcher.scheduler.core import Scheduler
-from dispatcher.scheduler.types import ActualUsage, Dropped, QueuedRequest, Verdict
-from dispatcher.workers import WorkerRegistry
+from dispatcher.scheduler.pool import PoolCore
+from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from fairlane.poolconfig import SchedulerConfig, check_policy
 from fairlane.protocol import (
     ErrorCode,
     ErrorInfo,
@@ -49,10 +60,10 @@ from fairlane.protocol import (
     encode,
     peek_reply_fields,
 )
-from fairlane.runtime import mono_ms, now_ms
+from fairlane.runtime import log_nats_error, mono_ms, now_ms
 from fairlane.streams import ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
-from fairlane.tenants import TenantsWatcher
+from fairlane.tenants import TenantsWatcher, resolve_pool_config
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -78,22 +89,21 @@ class Dispatcher:
     def __post_init__(self) -> None:
         s = self.settings
         self.subjects = Subjects(s.prefix)
-        if self.scheduler_config is None and self.tenants is not None:
-            self.scheduler_config = self.tenants.current.scheduler_config(s.pool)
-        cfg = self.scheduler_config or SchedulerConfig(policy="drr")
-        if s.policy:
-            cfg.policy = s.policy
-        self.scheduler = Scheduler(cfg)  # ValueError on an unknown policy: fail at start
+        if self.scheduler_config is None:
+            # The same resolution (file + pool + --policy) runs on every reload.
+            self.scheduler_config = resolve_pool_config(
+                self.tenants.current if self.tenants is not None else None, s.pool,
+                policy_override=s.policy or None)
+        elif s.policy:
+            self.scheduler_config.policy = check_policy(s.policy)
+        self.scheduler = Scheduler(self.scheduler_config)
         self.limits = self._limits()
         self._reload_every_ms = 2_000.0
         self._next_reload_ms = 0.0
-        # After a (re)start, messages JetStream redelivers may belong to requests a
-        # worker already holds. They wait one worker timeout, long enough for every
-        # live worker to heartbeat its in-flight ids, before they can be dispatched.
-        self._grace_until_ms = 0.0
-        self._grace: list[Msg] = []
-        self._reported: dict[str, str] = {}  # request id -> worker, from heartbeats
-        self.workers = WorkerRegistry(s.worker_timeout_ms)
+        # Every recovery decision (worker loss, reconciliation, restart grace,
+        # adoption) is the pure core's; this shell executes its actions (`_apply`).
+        self.core = PoolCore(self.scheduler, s.worker_timeout_ms)
+        self.workers = self.core.workers
         self._held = HeldMessages(s.ack_wait_s)
         self._pulls: deque[_Pull] = deque()
         self._wake = asyncio.Event()
@@ -118,11 +128,12 @@ class Dispatcher:
         s = self.settings
         if self.nc is None:
             self.nc = await nats.connect(
-                s.nats_url, name=f"fairlane-dispatcher-{s.pool}", max_reconnect_attempts=-1
+                s.nats_url, name=f"fairlane-dispatcher-{s.pool}", max_reconnect_attempts=-1,
+                error_cb=log_nats_error,
             )
         self.js = self.nc.jetstream()
-        self._grace_until_ms = mono_ms() + s.worker_timeout_ms
-        await ensure_streams(self.js, self.subjects)
+        self.core.begin_grace(mono_ms())
+        await ensure_streams(self.js, self.subjects, s)
         for tier in self.scheduler.config.tiers:
             sub = await self._consumer(tier.name)
             self._subs.append(sub)
@@ -169,10 +180,7 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await self.nc.publish(p.reply, encode(WorkBatch()))
         # Hand queued (not dispatched) work straight back to JetStream: nak = redeliver now.
-        for req in list(self.scheduler.queued()):
-            held = self._held.get(req.request_id)
-            if held is not None:
-                await self._held.settle(held, "nak")
+        await self._apply(self.core.shutdown())
         if self.nc is not None:
             # Not drain(): naks may already be redelivered into the (closed) pull
             # subscriptions' inboxes, and drain would wait on them for its timeout.
@@ -219,9 +227,6 @@ class Dispatcher:
 
     async def _ingest(self, msg: Msg) -> None:
         metrics.INGESTED.inc()
-        if self._grace_until_ms and mono_ms() < self._grace_until_ms and _redelivered(msg):
-            self._grace.append(msg)
-            return
         try:
             req = decode_request(msg.data)
             pool, tier, tenant = Subjects.parse_request(msg.subject)
@@ -231,13 +236,6 @@ class Dispatcher:
                     ErrorCode.INVALID_REQUEST,
                 )
             check_request(req, self.limits)
-            tcfg = self.scheduler.tenant_config(req.tenant)
-            if tcfg is not None and tcfg.tier != req.tier:
-                # The subject's tier is the client's claim; the tenants file decides.
-                raise ProtocolError(
-                    f"tenant {req.tenant!r} is in tier {tcfg.tier!r}, not {req.tier!r}",
-                    ErrorCode.INVALID_REQUEST,
-                )
         except ProtocolError as exc:
             rid, reply = peek_reply_fields(msg.data)
             if reply is None and msg.headers:
@@ -251,15 +249,14 @@ class Dispatcher:
                         code=exc.code.value, error=exc.message)
             metrics.REJECTED.labels(reason=exc.code.value).inc()
             if reply:
-                await self._send_error(reply, rid or "", ErrorInfo.of(exc.code, exc.message))
+                await self._send_error(reply, rid or "", exc.info())
             await _term(msg)
             return
 
         known = self._held.get(req.request_id)
-        if known is not None or self.scheduler.is_known(req.request_id):
+        if known is not None:
             # A redelivery of a request we already hold: keep the newest handle.
-            if known is not None:
-                self._held.redelivered(known, msg, mono_ms())
+            self._held.redelivered(known, msg, mono_ms())
             return
 
         now = mono_ms()
@@ -268,30 +265,13 @@ class Dispatcher:
             deadline = now + (req.deadline_ms - now_ms())
         q = QueuedRequest(
             request_id=req.request_id, tenant=req.tenant, tier=req.tier,
-            prompt_tokens=estimate_prompt_tokens(req), max_output_tokens=req.max_tokens,
-            expected_output_tokens=req.expected_output_tokens or req.max_tokens,
+            prompt_tokens=estimate_prompt_tokens(req), max_output_tokens=req.sampling.max_tokens,
+            expected_output_tokens=req.expected_output_tokens or req.sampling.max_tokens,
             priority=req.priority, arrival_ms=now, deadline_ms=deadline,
             ttft_budget_ms=req.ttft_budget_ms,
         )
-        held = Held(msg, req, now)
-        q.payload = held
-        verdict = self.scheduler.submit(q, now)
-        if verdict.accepted and req.request_id in self._reported:
-            # A worker already runs it (we restarted): in flight, not queued.
-            worker_id = self._reported[req.request_id]
-            self.scheduler.adopt(req.request_id, now)
-            self.workers.assign(req.request_id, worker_id, now)
-            log.info("request_adopted", request_id=req.request_id, worker_id=worker_id)
-        if verdict.verdict is Verdict.REJECTED:
-            assert verdict.code is not None
-            metrics.REJECTED.labels(reason=verdict.code.value).inc()
-            log.info("request_rejected", request_id=req.request_id, tenant=req.tenant,
-                     code=verdict.code.value, reason=verdict.message)
-            await self._send_error(req.reply_to, req.request_id,
-                                   ErrorInfo.of(verdict.code, verdict.message, verdict.retry_after_ms))
-            await _term(msg)
-            return
-        self._held.hold(held)
+        q.payload = Held(msg, req, now)
+        await self._apply(self.core.submit(q, now, redelivered=_redelivered(msg)))
 
     # --- pulls: matching queued work to workers with room ------------------------------
 
@@ -304,8 +284,7 @@ class Dispatcher:
                 await self.nc.publish(msg.reply, encode(WorkBatch()))
             return
         now = mono_ms()
-        w = self.workers.seen(pull.worker_id, now)
-        w.kv_tokens_total = max(w.kv_tokens_total, pull.free_kv_tokens)
+        self.core.on_pull(pull.worker_id, pull.free_kv_tokens, now)
         self._pulls.append(_Pull(pull, msg.reply, now + pull.wait_ms))
         self._wake.set()
 
@@ -325,8 +304,8 @@ class Dispatcher:
         pending: deque[_Pull] = deque()
         while self._pulls:
             p = self._pulls.popleft()
-            alive = p.pull.worker_id in self.workers.workers  # not declared dead since
-            batch = self._select_for(p.pull, now) if alive and self.scheduler.num_queued else []
+            alive = self.core.is_alive(p.pull.worker_id)  # not declared lost since
+            batch = self._select_for(p.pull, now)
             if batch or now >= p.expires_ms or not alive:
                 await self.nc.publish(p.reply, encode(WorkBatch(items=batch)))
             else:
@@ -337,12 +316,11 @@ class Dispatcher:
         free_kv = pull.free_kv_tokens if pull.free_kv_tokens > 0 else None
         items: list[WorkItem] = []
         epoch = now_ms()
-        for d in self.scheduler.select(pull.max_items, now, free_kv):
+        for d in self.core.select(pull.worker_id, pull.max_items, now, free_kv):
             held: Held = d.request.payload
             queue_ms = int(now - d.request.arrival_ms)
             metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
             metrics.DISPATCHED_COST.labels(tenant=d.request.tenant, tier=d.request.tier).inc(d.cost)
-            self.workers.assign(d.request.request_id, pull.worker_id, now)
             items.append(WorkItem(
                 request=held.request, engine_priority=d.engine_priority,
                 dispatched_ms=epoch, queue_ms=queue_ms, cache_salt=held.request.tenant,
@@ -360,62 +338,18 @@ class Dispatcher:
             return
         now = mono_ms()
         if isinstance(ev, Heartbeat):
-            await self._on_heartbeat(ev, now)
+            actions = self.core.on_heartbeat(
+                ev.worker_id, ev.in_flight_ids, now, interval_ms=ev.interval_ms,
+                draining=ev.draining, load=ev.load)
         elif isinstance(ev, Started):
-            self.workers.seen(ev.worker_id, now)
-            if self.scheduler.on_started(ev.request_id, now):
-                held = self._held.get(ev.request_id)
-                if held is not None:
-                    await self._held.settle(held, "ack")
+            actions = self.core.on_started(ev.request_id, ev.worker_id, now)
         elif isinstance(ev, Finished):
-            self.workers.seen(ev.worker_id, now)
-            await self._finish(ev.request_id, ev, now)
+            actions = self.core.on_finished(ev.request_id, ev.worker_id, _usage(ev), now)
         elif isinstance(ev, Requeue):
-            self.workers.unassign(ev.request_id)
-            if self.scheduler.requeue(ev.request_id, now):
-                log.info("request_requeued", request_id=ev.request_id, worker_id=ev.worker_id,
-                         reason=ev.reason)
-                self._wake.set()
-
-    async def _finish(self, request_id: str, ev: Finished | None, now: float) -> None:
-        self.workers.unassign(request_id)
-        usage = None
-        if ev is not None and ev.usage is not None:
-            u = ev.usage
-            usage = ActualUsage(u.prompt_tokens, u.completion_tokens, u.kv_token_seconds, u.e2e_ms)
-        self.scheduler.on_finished(request_id, usage, now)
-        held = self._held.get(request_id)
-        if held is not None:
-            # Finished without Started: it failed before its first token (e.g. prompt
-            # too long) and the client has its error. Done either way: never replay.
-            await self._held.settle(held, "ack")
-
-    async def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        w = self.workers.seen(hb.worker_id, now)
-        w.num_running, w.num_waiting = hb.load.num_running, hb.load.num_waiting
-        w.kv_tokens_used, w.kv_tokens_total = hb.load.kv_tokens_used, hb.load.kv_tokens_total
-        if self._grace_until_ms:
-            for rid in hb.in_flight_ids:
-                self._reported[rid] = hb.worker_id
-        for rid in hb.in_flight_ids:
-            # After a dispatcher restart JetStream redelivers requests that a worker
-            # already holds: adopt them as in flight instead of dispatching them again.
-            if self.scheduler.adopt(rid, now):
-                self.workers.assign(rid, hb.worker_id, now)
-                log.info("request_adopted", request_id=rid, worker_id=hb.worker_id)
-        missing = self.workers.heartbeat(hb.worker_id, hb.in_flight_ids, now,
-                                         hb.interval_ms, hb.draining)
-        for rid in missing:
-            # Reconciliation: the worker does not have it. Either its WorkBatch reply
-            # was lost (never started: requeue) or its Finished was (release quota).
-            if self.scheduler.is_started(rid):
-                log.warning("reconciled_finished", request_id=rid, worker_id=hb.worker_id)
-                await self._finish(rid, None, now)
-            else:
-                self.workers.unassign(rid)
-                if self.scheduler.requeue(rid, now):
-                    log.warning("reconciled_requeue", request_id=rid, worker_id=hb.worker_id)
-                    self._wake.set()
+            actions = self.core.on_handed_back(ev.request_id, ev.worker_id, now)
+        else:
+            return
+        await self._apply(actions)
 
     # --- cancel ------------------------------------------------------------------------
 
@@ -425,15 +359,8 @@ class Dispatcher:
         except ProtocolError as exc:
             log.warning("bad_cancel", error=exc.message)
             return
-        req = self.scheduler.cancel(cancel.request_id)
-        if req is None:
-            return  # running (the worker aborts it) or unknown
-        held = self._held.get(cancel.request_id)
-        log.info("request_cancelled", request_id=cancel.request_id, reason=cancel.reason)
-        if held is not None:
-            await self._send_error(held.request.reply_to, cancel.request_id,
-                                   ErrorInfo.of(ErrorCode.CANCELLED, f"cancelled: {cancel.reason}"))
-            await self._held.settle(held, "term")
+        # Queued: ended here. Running: the worker (subscribed too) aborts it.
+        await self._apply(self.core.on_cancel(cancel.request_id, cancel.reason))
 
     async def _on_info(self, msg: Msg) -> None:
         """Answer a producer's question: which tier is this tenant in, what limits?"""
@@ -466,40 +393,13 @@ class Dispatcher:
             except Exception:
                 log.exception("housekeeping_failed")
 
-    async def _end_grace(self, now: float) -> None:
-        self._grace_until_ms = 0.0
-        held_back, self._grace = self._grace, []
-        for msg in held_back:
-            await self._ingest(msg)
-        self._reported.clear()
-        if held_back:
-            log.info("redeliveries_released", num_messages=len(held_back))
-            self._wake.set()
-
     async def _housekeeping(self, now: float) -> None:
-        if self._grace_until_ms and now >= self._grace_until_ms:
-            await self._end_grace(now)
-        for dropped in self.scheduler.expire(now):
-            await self._drop(dropped)
-        for dropped in self.scheduler.shed(now):
-            await self._drop(dropped)
-        for w in self.workers.dead_workers(now):
-            await self._worker_lost(w.worker_id, w.request_ids, now)
+        await self._apply(self.core.tick(now))
         await self._held.keep_alive(now)
         if self.tenants is not None and now >= self._next_reload_ms:
             self._next_reload_ms = now + self._reload_every_ms
             self._reload_tenants()
         metrics.observe_scheduler(self.scheduler, now)
-
-    async def _drop(self, dropped: Dropped) -> None:
-        """A queued request the core removed (expired, shed): tell the client, term it."""
-        metrics.REJECTED.labels(reason=dropped.code.value).inc()
-        held = self._held.get(dropped.request.request_id)
-        if held is not None:
-            await self._send_error(held.request.reply_to, dropped.request.request_id,
-                                   ErrorInfo.of(dropped.code, dropped.message,
-                                                dropped.retry_after_ms))
-            await self._held.settle(held, "term")
 
     def _reload_tenants(self) -> None:
         try:
@@ -510,30 +410,51 @@ class Dispatcher:
         if not changed:
             return
         try:
-            self.scheduler.update_config(self.tenants.current.scheduler_config(self.settings.pool))
+            self.scheduler.update_config(resolve_pool_config(
+                self.tenants.current, self.settings.pool,
+                policy_override=self.settings.policy or None))
             self.limits = self._limits()
             log.info("tenants_applied", pool=self.settings.pool)
         except (KeyError, ValueError) as exc:
             log.error("tenants_not_applied", error=str(exc), hint="restart the dispatcher")
 
-    async def _worker_lost(self, worker_id: str, request_ids: set[str], now: float) -> None:
-        log.warning("worker_lost", worker_id=worker_id, num_requests=len(request_ids))
-        requeued = 0
-        for rid in request_ids:
-            if self.scheduler.requeue(rid, now):
-                requeued += 1
-                continue
-            req = self.scheduler.in_flight_request(rid)
-            self.scheduler.on_finished(rid, None, now)
-            if req is not None:
-                held: Held = req.payload
-                await self._send_error(
-                    held.request.reply_to, rid,
-                    ErrorInfo.of(ErrorCode.WORKER_LOST,
-                                 f"worker {worker_id} stopped responding; retry the request"),
-                )
-                await self._held.settle(held, "ack")
-        if requeued:
+    # --- executing the core's decisions ------------------------------------------------
+
+    async def _apply(self, actions: list[Action]) -> None:
+        """Execute what the core decided: the one place messages are settled and
+        clients are told why their request ended."""
+        wake = False
+        for a in actions:
+            held: Held = a.request.payload if hasattr(a, "request") else None
+            match a:
+                case Hold():
+                    self._held.hold(held)
+                case Ack(reason=reason):
+                    if reason != "started":
+                        log.info("request_settled", request_id=held.request.request_id,
+                                 reason=reason)
+                    await self._held.settle(held, "ack")
+                case Term(reason=reason):
+                    metrics.REJECTED.labels(reason=reason).inc()
+                    await self._held.settle(held, "term")
+                case Nak():
+                    await self._held.settle(held, "nak")
+                case SendError(code=code, message=message, retry_after_ms=retry_ms):
+                    log.info("request_ended", request_id=held.request.request_id,
+                             tenant=held.request.tenant, code=code.value, reason=message)
+                    await self._send_error(held.request.reply_to, held.request.request_id,
+                                           ErrorInfo.of(code, message, retry_ms))
+                case Requeued(reason=reason):
+                    log.info("request_requeued", request_id=held.request.request_id,
+                             reason=reason)
+                    wake = True
+                case Adopted(worker_id=worker_id):
+                    log.info("request_adopted", request_id=held.request.request_id,
+                             worker_id=worker_id)
+                case Released(num_requests=n):
+                    log.info("redeliveries_released", num_messages=n)
+                    wake = True
+        if wake:
             self._wake.set()
 
     async def _send_error(self, reply_to: str, request_id: str, error: ErrorInfo) -> None:
@@ -543,6 +464,13 @@ class Dispatcher:
         except Exception as exc:  # a bad reply subject must not stop the dispatcher
             log.warning("error_reply_failed", request_id=request_id, reply_to=reply_to,
                         error=str(exc))
+
+
+def _usage(ev: Finished) -> ActualUsage | None:
+    u = ev.usage
+    if u is None:
+        return None
+    return ActualUsage(u.prompt_tokens, u.completion_tokens, u.kv_token_seconds, u.e2e_ms)
 
 
 def _num_pending(msg: Msg) -> int:

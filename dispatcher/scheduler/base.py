@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.cost import CostModel
 from dispatcher.scheduler.tenant_queue import TenantQueue
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from fairlane.poolconfig import SchedulerConfig
 
 Eligible = Callable[[str, int], bool]
 
@@ -44,6 +44,10 @@ class Policy(Protocol):
         ...
     def on_release(self, tenant: str, now_ms: float) -> None:
         """One of `tenant`'s in-flight requests left: parked queues may be eligible again."""
+        ...
+    def update_config(self, config: SchedulerConfig) -> None:
+        """Hot reload: new weights, quantum and tenants apply from the next decision on.
+        Policy-specific state (rings, heaps, credits) is kept."""
         ...
 
 
@@ -108,6 +112,13 @@ class TenantBook:
                 if st.queue:
                     woken.append(st)
         return woken
+
+    def update_config(self, config: SchedulerConfig) -> None:
+        """New weights apply to every known tenant state; credits and queues stay."""
+        self.config = config
+        for st in self.states.values():
+            tcfg = config.tenant(st.tenant)
+            st.weight = max(tcfg.weight if tcfg else 1.0, 1e-9)
 
     def forget_if_idle(self, st: TenantState) -> None:
         """Drop the state of an idle tenant that owes nothing (bounded memory under

@@ -21,7 +21,6 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dispatcher.scheduler.config import SchedulerConfig, TenantConfig
 from dispatcher.scheduler.cost import make_cost_model
 from dispatcher.scheduler.policies import Policy, make_policy
 from dispatcher.scheduler.throttle import RateMeter, predict_wait_ms, retry_after_ms
@@ -36,6 +35,7 @@ from dispatcher.scheduler.types import (
     QueuedRequest,
     Verdict,
 )
+from fairlane.poolconfig import SchedulerConfig, TenantConfig
 from fairlane.protocol import ErrorCode
 
 _DEFAULT_RETRY_MS = 1_000
@@ -309,16 +309,16 @@ class Scheduler:
         self._in_flight[req.request_id] = _InFlight(req, i)
         return Dispatch(req, self.tiers.engine_priority(i) * ENGINE_PRIORITY_SPAN + bump, cost)
 
-    def adopt(self, request_id: str, now_ms: float) -> bool:
+    def adopt(self, request_id: str, now_ms: float) -> QueuedRequest | None:
         """A queued request turns out to be running already (a worker reports it after
         this dispatcher restarted and JetStream redelivered the request): move it to
         in flight, charged as a dispatch, so it is never dispatched a second time."""
         req = self._queued.get(request_id)
         if req is None:
-            return False
+            return None
         self.policy.remove(req)
         self._dispatch(req, now_ms)
-        return True
+        return req
 
     # --- configuration -----------------------------------------------------------------
 
@@ -334,16 +334,7 @@ class Scheduler:
             raise ValueError("tiers, policy and cost_model change only with a restart")
         self.config = config
         self.tiers.tiers = list(config.tiers)
-        if hasattr(self.policy, "config"):
-            self.policy.config = config
-        book = getattr(self.policy, "_book", None)
-        if book is not None:
-            book.config = config
-            for st in book.states.values():
-                tcfg = config.tenant(st.tenant)
-                st.weight = max(tcfg.weight if tcfg else 1.0, 1e-9)
-        if hasattr(self.policy, "quantum"):
-            self.policy.quantum = config.quantum
+        self.policy.update_config(config)
         # Throttling's per-tier backlogged weight, recomputed with the new weights.
         self._tier_weight = {}
         for (i, tenant), n in self._tt_queued.items():

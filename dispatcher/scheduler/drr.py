@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections import deque
 
 from dispatcher.scheduler.base import Eligible, TenantBook, TenantState
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.cost import CostModel, make_cost_model
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from fairlane.poolconfig import SchedulerConfig
 
 _EPS = 1e-9
 
@@ -97,6 +97,11 @@ class DrrPolicy:
             if not eligible(st.tenant, head.kv_tokens):
                 ring.popleft()
                 st.active = st.in_turn = False
+                # Leaving the ring forfeits unused credit, as going idle does: kept, it
+                # would stack with the fresh quantum granted on return, and a tenant
+                # cycling through its quota would win more turns than its weight.
+                if st.credit > 0:
+                    st.credit = 0.0
                 self._book.park(st)
                 continue
             if not st.in_turn:
@@ -113,6 +118,13 @@ class DrrPolicy:
             self._activate(st)
 
     # --- accounting --------------------------------------------------------------------
+
+    def update_config(self, config: SchedulerConfig) -> None:
+        if not config.quantum > 0:
+            raise ValueError(f"drr needs a positive quantum, got {config.quantum!r}")
+        self.config = config
+        self.quantum = config.quantum
+        self._book.update_config(config)
 
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
         cost = self.cost_model.estimate(req)

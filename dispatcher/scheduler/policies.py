@@ -14,11 +14,11 @@ from collections import deque
 from collections.abc import Callable
 
 from dispatcher.scheduler.base import Eligible, Policy
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.cost import CostModel, make_cost_model
 from dispatcher.scheduler.drr import DrrPolicy
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
 from dispatcher.scheduler.vtc import VtcPolicy
+from fairlane.poolconfig import SchedulerConfig
 from fairlane.registry import choose
 
 __all__ = ["DrrPolicy", "Eligible", "FifoPolicy", "Policy", "VtcPolicy", "make_policy"]
@@ -90,6 +90,9 @@ class FifoPolicy:
 
     def on_release(self, tenant: str, now_ms: float) -> None:
         pass
+
+    def update_config(self, config: SchedulerConfig) -> None:
+        pass  # FIFO has no per-tenant state: weights do not affect its order
 
 
 _POLICIES: dict[str, Callable[[SchedulerConfig], Policy]] = {

@@ -18,9 +18,9 @@ import heapq
 import itertools
 
 from dispatcher.scheduler.base import Eligible, TenantBook, TenantState
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.scheduler.cost import CostModel, make_cost_model
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from fairlane.poolconfig import SchedulerConfig
 
 _Entry = tuple[float, int, int, TenantState]  # (counter, unique, version, state)
 
@@ -128,6 +128,10 @@ class VtcPolicy:
                 self._heap_push(st)
 
     # --- accounting --------------------------------------------------------------------
+
+    def update_config(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._book.update_config(config)
 
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
         cost = self.cost_model.estimate(req)

@@ -12,13 +12,12 @@ import uuid
 import pytest
 
 from dispatcher.config import DispatcherSettings
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.service import Dispatcher
+from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import (
     ErrorCode,
     Finished,
     Heartbeat,
-    InferenceRequest,
     PullRequest,
     Started,
     TokenChunk,
@@ -30,7 +29,7 @@ from fairlane.protocol import (
 )
 from fairlane.subjects import REPLY_HEADER, Subjects
 from producer.client import FairlaneClient, RequestError
-from tests.helpers import wait_until
+from tests.helpers import request, spec, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -128,7 +127,7 @@ async def test_dispatch_ack_on_started_and_finish(env, nc):
     dispatcher, client, subjects = env
     w = ScriptedWorker(nc, subjects, "p", "w1")
     await w.start()
-    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=3)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hello", max_tokens=3))
     items = await w.pull()
     assert [i.request.request_id for i in items] == [stream.request_id]
     js = nc.jetstream()
@@ -161,9 +160,9 @@ async def test_bad_input_gets_clear_error_and_dispatcher_keeps_serving(env, nc, 
     fields = dict(request_id=rid, tenant="acme", pool="p", tier="standard",
                   reply_to=reply, prompt="hi", max_tokens=8)
     if isinstance(body, dict):
-        data = encode(InferenceRequest(**{**fields, **body}))
+        data = encode(request(**{**fields, **body}))
     elif body is None:
-        data = encode(InferenceRequest(**fields)).replace(b'"acme"', b'"bad tenant!"')
+        data = encode(request(**fields)).replace(b'"acme"', b'"bad tenant!"')
     else:
         data = body
     sub = await nc.subscribe(reply)
@@ -176,7 +175,7 @@ async def test_bad_input_gets_clear_error_and_dispatcher_keeps_serving(env, nc, 
     # The refused message is gone (terminated), and a good request is still served.
     w = ScriptedWorker(nc, subjects, "p", "w-ok")
     await w.start()
-    good = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=1)
+    good = await client.submit(spec(tenant="acme", pool="p", prompt="hello", max_tokens=1))
     items = await w.pull()
     assert [i.request.request_id for i in items] == [good.request_id]
     await w.token(items[0], "x", finish="stop")
@@ -188,8 +187,8 @@ async def test_duplicate_request_id_is_generated_once(env, nc):
     dispatcher, client, subjects = env
     js = nc.jetstream()
     rid = uuid.uuid4().hex
-    req = InferenceRequest(request_id=rid, tenant="acme", pool="p", tier="standard",
-                           reply_to=f"{client.inbox}.{rid}", prompt="hi", max_tokens=4)
+    req = request(request_id=rid, tenant="acme", pool="p", tier="standard",
+                  reply_to=f"{client.inbox}.{rid}", prompt="hi", max_tokens=4)
     acks = [await js.publish(subjects.request("p", "standard", "acme"), encode(req),
                              headers={"Nats-Msg-Id": rid}) for _ in range(2)]
     assert acks[1].duplicate
@@ -204,7 +203,7 @@ async def test_worker_dies_before_first_token_request_goes_to_another(env, nc):
     dispatcher, client, subjects = env
     dead = ScriptedWorker(nc, subjects, "p", "w-dead")
     await dead.start()
-    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=1)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hello", max_tokens=1))
     items = await dead.pull()
     assert len(items) == 1
     dead.die()
@@ -223,7 +222,7 @@ async def test_worker_dies_after_first_token_client_gets_worker_lost(env, nc):
     dispatcher, client, subjects = env
     w = ScriptedWorker(nc, subjects, "p", "w-dies")
     await w.start()
-    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=5)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hello", max_tokens=5))
     items = await w.pull()
     await w.token(items[0], "a")
     w.die()
@@ -238,7 +237,7 @@ async def test_worker_dies_after_first_token_client_gets_worker_lost(env, nc):
 
 async def test_cancel_queued_request(env, nc):
     dispatcher, client, subjects = env
-    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=5)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hello", max_tokens=5))
     await wait_until(lambda: dispatcher.scheduler.is_queued(stream.request_id))
     sub = await nc.subscribe(f"{client.inbox}.{stream.request_id}")
     await stream.cancel("user")
@@ -252,8 +251,8 @@ async def test_expired_request_never_reaches_a_worker(env, nc):
     dispatcher, client, subjects = env
     from fairlane.runtime import now_ms
 
-    stream = await client.submit(tenant="acme", pool="p", prompt="hello", max_tokens=5,
-                                 deadline_ms=now_ms() + 100)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hello", max_tokens=5,
+                                      deadline_ms=now_ms() + 100))
     with pytest.raises(RequestError) as err:
         await stream.collect()
     assert err.value.error.code == ErrorCode.EXPIRED
@@ -294,7 +293,7 @@ async def tiered(nats_server, nc, uid, tmp_path):
 
 async def test_tier_is_resolved_from_the_dispatcher_and_enforced(tiered, nc):
     dispatcher, client, subjects, _ = tiered
-    stream = await client.submit(tenant="acme", pool="p", prompt="hi", max_tokens=4)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=4))
     await wait_until(lambda: dispatcher.scheduler.is_queued(stream.request_id))
     assert dispatcher.scheduler.in_flight_request(stream.request_id) is None
     # The producer refuses a wrong tier, an unknown tenant, and the pool's own limit.
@@ -304,14 +303,14 @@ async def test_tier_is_resolved_from_the_dispatcher_and_enforced(tiered, nc):
         (dict(tenant="acme", max_tokens=65), ErrorCode.INVALID_REQUEST),
     ]:
         with pytest.raises(RequestError) as err:
-            await client.submit(pool="p", prompt="hi", **{"max_tokens": 4, **kwargs})
+            await client.submit(spec(pool="p", prompt="hi", **{"max_tokens": 4, **kwargs}))
         assert err.value.error.code == code
     # Published straight to NATS with a self-promoted tier: the dispatcher refuses it.
     rid = uuid.uuid4().hex
     reply = f"{client.inbox}.{rid}"
     sub = await nc.subscribe(reply)
-    req = InferenceRequest(request_id=rid, tenant="acme", pool="p", tier="free",
-                           reply_to=reply, prompt="hi", max_tokens=4)
+    req = request(request_id=rid, tenant="acme", pool="p", tier="free",
+                  reply_to=reply, prompt="hi", max_tokens=4)
     await nc.jetstream().publish(subjects.request("p", "free", "acme"), encode(req))
     chunk = decode_chunk((await sub.next_msg(timeout=5)).data)
     assert chunk.error.code == ErrorCode.INVALID_REQUEST and "tier 'paid'" in chunk.error.message
@@ -320,10 +319,33 @@ async def test_tier_is_resolved_from_the_dispatcher_and_enforced(tiered, nc):
 async def test_tenants_file_edit_applies_without_restart(tiered):
     dispatcher, client, subjects, path = tiered
     with pytest.raises(RequestError) as err:
-        await client.submit(tenant="globex", pool="p", prompt="hi", max_tokens=4)
+        await client.submit(spec(tenant="globex", pool="p", prompt="hi", max_tokens=4))
     assert err.value.error.code == ErrorCode.UNKNOWN_TENANT
     path.write_text(TENANTS_YAML + "  globex: {tier: free}\n")
     await wait_until(lambda: dispatcher.scheduler.tenant_config("globex") is not None)
     client._info.clear()  # skip the producer's 10 s cache for the test
-    stream = await client.submit(tenant="globex", pool="p", prompt="hi", max_tokens=4)
+    stream = await client.submit(spec(tenant="globex", pool="p", prompt="hi", max_tokens=4))
     await wait_until(lambda: dispatcher.scheduler.is_queued(stream.request_id))
+
+
+async def test_policy_override_holds_across_tenants_file_edits(nats_server, uid, tmp_path):
+    """`--policy` is part of the one config resolution, so a reload keeps it and new
+    weights apply (they used to be refused as "policy changed, restart")."""
+    from fairlane.tenants import TenantsWatcher
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANTS_YAML.replace("policy: drr", "policy: fifo"))
+    settings = DispatcherSettings(nats_url=nats_server.url, prefix=f"t{uid}", pool="p",
+                                  housekeeping_ms=20, policy="drr")
+    dispatcher = Dispatcher(settings, tenants=TenantsWatcher(path))
+    dispatcher._reload_every_ms = 20
+    await dispatcher.start()
+    try:
+        assert dispatcher.scheduler.config.policy == "drr"
+        assert dispatcher.scheduler.tenant_config("acme").weight == 2
+        path.write_text(TENANTS_YAML.replace("policy: drr", "policy: fifo")
+                        .replace("weight: 2", "weight: 5"))
+        await wait_until(lambda: dispatcher.scheduler.tenant_config("acme").weight == 5, 5)
+        assert dispatcher.scheduler.config.policy == "drr"
+    finally:
+        await dispatcher.stop()

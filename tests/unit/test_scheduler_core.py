@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from dispatcher.scheduler.config import SchedulerConfig, TenantConfig, TierConfig
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.cost import make_cost_model
 from dispatcher.scheduler.policies import DrrPolicy, FifoPolicy, VtcPolicy, make_policy
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest, Verdict
+from fairlane.poolconfig import SchedulerConfig, TenantConfig, TierConfig
 from fairlane.protocol import ErrorCode
 
 pytestmark = pytest.mark.unit
@@ -360,15 +360,15 @@ def test_drr_rejects_a_non_positive_quantum():
 @pytest.mark.unit
 @pytest.mark.parametrize("policy", ["fifo", "drr", "vtc"])
 def test_adopt_moves_a_queued_request_to_in_flight_without_dispatching_it(policy):
-    from dispatcher.scheduler.config import SchedulerConfig
     from dispatcher.scheduler.core import Scheduler
     from dispatcher.scheduler.types import QueuedRequest
+    from fairlane.poolconfig import SchedulerConfig
 
     s = Scheduler(SchedulerConfig(policy=policy))
     for rid in ("a", "b"):
         assert s.submit(QueuedRequest(rid, "t", "standard", 10, 10, 10), 0).accepted
-    assert s.adopt("a", 1)
-    assert not s.adopt("a", 1) and not s.adopt("nope", 1)
+    assert s.adopt("a", 1) is not None
+    assert s.adopt("a", 1) is None and s.adopt("nope", 1) is None
     assert s.is_known("a") and not s.is_queued("a") and s.num_in_flight == 1
     assert [d.request.request_id for d in s.select(10, 2)] == ["b"]
     assert s.on_started("a", 3) and s.on_finished("a", None, 4) is not None
@@ -377,9 +377,9 @@ def test_adopt_moves_a_queued_request_to_in_flight_without_dispatching_it(policy
 
 @pytest.mark.unit
 def test_update_config_changes_weights_and_refuses_structural_changes():
-    from dispatcher.scheduler.config import SchedulerConfig, TenantConfig
     from dispatcher.scheduler.core import Scheduler
     from dispatcher.scheduler.types import QueuedRequest
+    from fairlane.poolconfig import SchedulerConfig, TenantConfig
 
     def cfg(wa: float, wb: float, policy: str = "drr") -> SchedulerConfig:
         return SchedulerConfig(policy=policy, tenants={

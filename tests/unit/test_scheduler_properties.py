@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatcher.scheduler.config import SchedulerConfig, TenantConfig, TierConfig
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from fairlane.poolconfig import SchedulerConfig, TenantConfig, TierConfig
 from fairlane.protocol import ErrorCode
 
 pytestmark = pytest.mark.unit

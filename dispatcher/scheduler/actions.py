@@ -1,0 +1,91 @@
+"""What the pure core tells the dispatcher shell to do: a tagged union of actions.
+
+The core decides; the shell executes every action in one place
+(`dispatcher.service.Dispatcher._apply`). Each action names the `QueuedRequest` it is
+about; the shell finds the JetStream message and the reply subject through the
+request's opaque `payload`.
+
+Message settlement, in one table (DESIGN.md section 4):
+
+| action | JetStream message | when |
+|---|---|---|
+| `Hold` | keep un-acked, touch with in_progress | admitted (queued) or deferred |
+| `Ack` | ack: never redeliver | started, or finished/failed (never replay) |
+| `Term` | term: never redeliver | refused, expired, shed, cancelled while queued |
+| `Nak` | nak: redeliver now | shutdown: queued work goes back to JetStream |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dispatcher.scheduler.types import QueuedRequest
+from fairlane.protocol import ErrorCode
+
+
+@dataclass(slots=True, frozen=True)
+class Hold:
+    """Keep the request's message un-acked: it is queued (or waits for the restart
+    grace to end) and must come back to another dispatcher if this one dies."""
+
+    request: QueuedRequest
+
+
+@dataclass(slots=True, frozen=True)
+class Ack:
+    request: QueuedRequest
+    reason: str  # started | finished | worker_lost | reconciled
+
+
+@dataclass(slots=True, frozen=True)
+class Term:
+    request: QueuedRequest
+    reason: str  # the error code that ended it
+
+
+@dataclass(slots=True, frozen=True)
+class Nak:
+    request: QueuedRequest
+
+
+@dataclass(slots=True, frozen=True)
+class SendError:
+    """Tell the client, on the request's reply subject, why it ended."""
+
+    request: QueuedRequest
+    code: ErrorCode
+    message: str
+    retry_after_ms: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Requeued:
+    """Back in its tenant's queue (front of its class): serve waiting pulls again."""
+
+    request: QueuedRequest
+    reason: str  # handed_back | worker_lost | reconciled
+
+
+@dataclass(slots=True, frozen=True)
+class Adopted:
+    """A request a worker already runs (reported after this dispatcher restarted):
+    in flight, never dispatched again."""
+
+    request: QueuedRequest
+    worker_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class Released:
+    """Queued work held back during the restart grace may now be served."""
+
+    num_requests: int
+
+
+Action = Hold | Ack | Term | Nak | SendError | Requeued | Adopted | Released
+
+
+def refuse(req: QueuedRequest, code: ErrorCode, message: str,
+           retry_after_ms: int | None = None) -> list[Action]:
+    """The two actions that end a queued or refused request: tell the client, term it."""
+    return [SendError(req, code, message, retry_after_ms), Term(req, code.value)]
