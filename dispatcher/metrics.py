@@ -8,23 +8,23 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-INGESTED = Counter("fl_dispatcher_ingested_total", "Request messages fetched from JetStream")
-REJECTED = Counter("fl_dispatcher_rejected_total", "Requests refused or dropped", ["reason"])
+INGESTED = Counter("fairlane_dispatcher_ingested_total", "Request messages fetched from JetStream")
+REJECTED = Counter("fairlane_dispatcher_rejected_total", "Requests refused or dropped", ["reason"])
 DISPATCHED_COST = Counter(
-    "fl_dispatcher_dispatched_cost_total", "Cost units dispatched (estimate at dispatch)",
+    "fairlane_dispatcher_dispatched_cost_total", "Cost units dispatched (estimate at dispatch)",
     ["tenant", "tier"],
 )
 QUEUE_WAIT = Histogram(
-    "fl_dispatcher_queue_wait_seconds", "Time from ingest to dispatch", ["tier"],
+    "fairlane_dispatcher_queue_wait_seconds", "Time from ingest to dispatch", ["tier"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
-QUEUE_DEPTH = Gauge("fl_dispatcher_queue_depth", "Requests queued", ["tenant"])
-IN_FLIGHT = Gauge("fl_dispatcher_in_flight", "Requests dispatched, not finished", ["tenant"])
+QUEUE_DEPTH = Gauge("fairlane_dispatcher_queue_depth", "Requests queued", ["tenant"])
+IN_FLIGHT = Gauge("fairlane_dispatcher_in_flight", "Requests dispatched, not finished", ["tenant"])
 TIER_SHARE = Gauge(
-    "fl_dispatcher_tier_share", "Share of recently dispatched cost per tier (what floors hold)",
+    "fairlane_dispatcher_tier_share", "Share of recently dispatched cost per tier (what floors hold)",
     ["tier"],
 )
-TIER_QUEUE_DEPTH = Gauge("fl_dispatcher_tier_queue_depth", "Requests queued per tier", ["tier"])
+TIER_QUEUE_DEPTH = Gauge("fairlane_dispatcher_tier_queue_depth", "Requests queued per tier", ["tier"])
 
 
 def observe_scheduler(scheduler, now_ms: float) -> None:

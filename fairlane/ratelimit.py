@@ -14,8 +14,9 @@ one view of every bucket.
 
 Redis down => the limiter **fails open** to a local, approximate, in-process copy of
 the same buckets (each process enforces the limits alone, so N streamers admit up to
-N times the limit): a blind limiter must not become an outage. Each fail-open decision
-is counted (``fairlane_ratelimit_failopen_total``) and the transition is logged; after
+N times the limit; the buckets are `fairlane.ratelimit_local.LocalBuckets`): a blind
+limiter must not become an outage. Each fail-open decision is counted
+(``fairlane_ratelimit_failopen_total``) and the transition is logged; after
 ``retry_interval_s`` the next call tries Redis again, and the limiter recovers on its
 own when Redis answers.
 
@@ -32,10 +33,7 @@ Fairness does not depend on any of this: DRR accounting lives in the dispatcher.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -46,8 +44,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from fairlane.protocol import ProtocolError, Usage, decode_usage
+from fairlane.ratelimit_local import Decision, LocalBuckets, RateLimits
 from fairlane.runtime import cancel_and_wait
 from fairlane.subjects import Subjects
+
+__all__ = ["Decision", "LocalBuckets", "RateLimiter", "RateLimits", "UsageSettler"]
 
 log = structlog.get_logger(__name__)
 
@@ -147,112 +148,8 @@ return {1, delta}
 """
 
 
-@dataclass(frozen=True, slots=True)
-class RateLimits:
-    """Absolute caps for one tenant; 0 means unlimited."""
-
-    requests_per_min: int = 0
-    tokens_per_min: int = 0
-
-    @classmethod
-    def of(cls, record: Any) -> RateLimits:
-        """From anything with ``requests_per_min`` / ``tokens_per_min`` (a TenantRecord)."""
-        return cls(
-            requests_per_min=int(getattr(record, "requests_per_min", 0) or 0),
-            tokens_per_min=int(getattr(record, "tokens_per_min", 0) or 0),
-        )
-
-    @property
-    def unlimited(self) -> bool:
-        return self.requests_per_min <= 0 and self.tokens_per_min <= 0
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    allowed: bool
-    retry_after_ms: int = 0
-    degraded: bool = False  # decided by the local fallback (Redis unavailable)
-
-    @property
-    def retry_after_s(self) -> int:
-        """For the ``Retry-After`` header: whole seconds, at least 1."""
-        return max(1, math.ceil(self.retry_after_ms / 1000))
-
-
-class _LocalBuckets:
-    """The same buckets as the Lua scripts, in process memory, for fail-open mode.
-
-    Approximate by design: per process, not shared, and forgotten on restart. Bounded
-    (LRU) so a flood of tenants or request ids cannot grow it without limit.
-    """
-
-    def __init__(self, max_entries: int = 100_000) -> None:
-        self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # r, t, ts, rcap, tcap
-        self._reserved: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._settled: OrderedDict[str, None] = OrderedDict()
-        self._max = max_entries
-
-    @staticmethod
-    def _refill(b: list[float], now: float) -> None:
-        dt = max(0.0, now - b[2])
-        if b[3] > 0:
-            b[0] = min(b[3], b[0] + dt * b[3] / 60000.0)
-        if b[4] > 0:
-            b[1] = min(b[4], b[1] + dt * b[4] / 60000.0)
-        b[2] = now
-
-    def _bound(self, d: OrderedDict) -> None:
-        while len(d) > self._max:
-            d.popitem(last=False)
-
-    def admit(self, key: str, limits: RateLimits, est: int, request_id: str, now: float) -> Decision:
-        rcap, tcap = float(limits.requests_per_min), float(limits.tokens_per_min)
-        b = self._buckets.get(key)
-        if b is None:
-            b = [rcap, tcap, now, rcap, tcap]
-            self._buckets[key] = b
-        self._buckets.move_to_end(key)
-        self._bound(self._buckets)
-        b[3], b[4] = rcap, tcap
-        self._refill(b, now)
-        if tcap > 0:
-            est = min(est, int(tcap))
-        wait = 0.0
-        if rcap > 0 and b[0] < 1:
-            wait = max(wait, (1 - b[0]) * 60000.0 / rcap)
-        if tcap > 0 and b[1] < est:
-            wait = max(wait, (est - b[1]) * 60000.0 / tcap)
-        if wait > 0:
-            return Decision(False, math.ceil(wait), degraded=True)
-        if rcap > 0:
-            b[0] -= 1
-        if tcap > 0:
-            b[1] -= est
-        self._reserved[request_id] = (key, est)
-        self._bound(self._reserved)
-        return Decision(True, 0, degraded=True)
-
-    def settle(
-        self, key: str, request_id: str, actual: int, refund: bool, max_debt_minutes: float, now: float
-    ) -> bool:
-        if request_id in self._settled:
-            return False
-        self._settled[request_id] = None
-        self._bound(self._settled)
-        _, reserved = self._reserved.pop(request_id, (key, 0))
-        b = self._buckets.get(key)
-        if b is None:
-            return True
-        self._refill(b, now)
-        if b[4] > 0:
-            b[1] = min(b[4], max(-b[4] * max_debt_minutes, b[1] - (actual - reserved)))
-        if refund and b[3] > 0:
-            b[0] = min(b[3], b[0] + 1)
-        return True
-
-
 class RateLimiter:
-    """Redis-backed admission control that fails open to `_LocalBuckets`.
+    """Redis-backed admission control that fails open to `LocalBuckets`.
 
     ``klass`` separates independent budgets of one tenant (the streamer uses the pool,
     so a tenant's budget on a big model does not share a bucket with a small one);
@@ -279,7 +176,7 @@ class RateLimiter:
         self._op_timeout_s = op_timeout_s
         # Debt can reach max_debt_minutes below zero; a bucket refills in one minute.
         self._bucket_ttl_ms = int((2 + max_debt_minutes) * 60_000)
-        self._local = _LocalBuckets()
+        self._local = LocalBuckets()
         self._down_until = 0.0
         self._degraded = False
         self._admit_script = redis.register_script(_ADMIT_LUA) if redis is not None else None

@@ -8,9 +8,10 @@ NATS interaction (DESIGN.md sections 3, 4 and 6):
   requests in flight and at most ``prefetch_seqs`` queued inside the engine (so work
   is placed as late as possible). Without room it waits for a slot event (a request
   started or finished), never polls.
-- per request: one task streams coalesced `TokenChunk`s (``seq`` from 0) to the
-  request's ``reply_to``; `Started` on the first token, `Finished` at the end, and
-  the `Usage` to JetStream with ``Nats-Msg-Id = request_id`` (idempotent metering).
+- per request (`gpu_worker.serving.RequestServing`, mixed into `Worker`): one task
+  streams coalesced `TokenChunk`s (``seq`` from 0) to the request's ``reply_to``;
+  `Started` on the first token, `Finished` at the end, and the `Usage` to JetStream
+  with ``Nats-Msg-Id = request_id`` (idempotent metering).
 - cancel subscription, heartbeats, drain on stop, and fail-everything on engine death.
 """
 
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
-import msgspec
 import nats
 import structlog
 from nats.aio.client import Client as NATS
@@ -30,36 +29,34 @@ from nats.errors import NoRespondersError
 from fairlane.protocol import (
     ErrorCode,
     ErrorInfo,
-    Finished,
     Heartbeat,
     ProtocolError,
     PullRequest,
     Requeue,
-    Started,
-    Usage,
     WorkItem,
     decode_cancel,
     decode_work_batch,
     encode,
 )
-from fairlane.runtime import now_ms
+from fairlane.runtime import Stopped, log_nats_error, now_ms, until_stopped
 from fairlane.streams import ensure_streams
 from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
-from gpu_worker.engine import Engine, EngineDead, EngineError, GenerationDelta
-from gpu_worker.inflight import WAKE, InFlight, mono_s
+from gpu_worker.engine import Engine, EngineDead
+from gpu_worker.inflight import InFlight
+from gpu_worker.serving import RequestServing
 
 log = structlog.get_logger(__name__)
 
 PULL_TIMEOUT_MARGIN_MS = 2_000  # on top of wait_ms: the dispatcher answers within wait_ms
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
-USAGE_PUBLISH_ATTEMPTS = 5
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 EXIT_FAILED = 1
 
-class Worker:
+
+class Worker(RequestServing):
     def __init__(self, settings: WorkerSettings, engine: Engine, nc: NATS | None = None,
                  owns_engine: bool = True) -> None:
         self.s = settings
@@ -83,7 +80,7 @@ class Worker:
 
     # --- lifecycle ----------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event) -> int:
+    async def _start(self) -> None:
         if self._nc is None:
             self._nc = await nats.connect(
                 self.s.nats_url,
@@ -91,11 +88,19 @@ class Worker:
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 drain_timeout=5,  # on exit with NATS gone, don't wait the default 30 s
+                error_cb=log_nats_error,
             )
-        nc = self._nc
-        self.js = nc.jetstream()
-        await ensure_streams(self.js, self.subjects)
+        self.js = self._nc.jetstream()
+        await ensure_streams(self.js, self.subjects, self.s)
         await self.engine.start()
+
+    async def run(self, stop: asyncio.Event) -> int:
+        try:
+            await until_stopped(self._start(), stop)  # NATS may be unreachable for ever
+        except Stopped:
+            self.log.info("stopped_during_start")
+            return 0
+        nc = self._nc
         cancel_sub = await nc.subscribe(self.subjects.cancel(self.s.pool), cb=self._on_cancel)
         hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         pull_task = asyncio.create_task(self._pull_loop(), name="pull")
@@ -260,211 +265,7 @@ class Worker:
         self._reqs[rid] = r
         r.task = asyncio.create_task(self._serve(r), name=f"req-{rid}")
 
-    # --- one request ----------------------------------------------------------------
-
-    async def _pump(self, r: InFlight) -> None:
-        """Engine deltas -> the request's queue (so the server side can time flushes)."""
-        try:
-            stream: AsyncIterator[GenerationDelta] = self.engine.generate(r.item)
-            closer = getattr(stream, "aclose", None)
-            try:
-                async for delta in stream:
-                    r.queue.put_nowait(delta)
-                    if delta.finish_reason is not None:
-                        return
-            finally:
-                if closer is not None:
-                    await closer()
-            r.queue.put_nowait(EngineError("engine stream ended without a finish reason"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an error chunk
-            r.queue.put_nowait(exc)
-
-    async def _serve(self, r: InFlight) -> None:
-        rid = r.request_id
-        pump = asyncio.create_task(self._pump(r), name=f"pump-{rid}")
-        coalesce_s = self.s.coalesce_ms / 1000
-        outcome: object = None
-        try:
-            while True:
-                if r.buf_num_tokens:
-                    left_s = r.buf_since_s + coalesce_s - mono_s()
-                    if left_s <= 0:
-                        await self._flush(r)
-                        continue
-                    try:
-                        ev = await asyncio.wait_for(r.queue.get(), left_s)
-                    except TimeoutError:
-                        await self._flush(r)
-                        continue
-                else:
-                    ev = await r.queue.get()
-                if r.stopping:
-                    break  # flags win over anything still queued
-                if ev is WAKE:
-                    continue
-                if isinstance(ev, BaseException):
-                    outcome = ev
-                    break
-                assert isinstance(ev, GenerationDelta)
-                first = r.add(ev, mono_s())
-                if first:
-                    if r.item.ack_subject:
-                        # Ack the request's JetStream message ourselves at the first
-                        # token, so started work is never replayed even if the
-                        # dispatcher dies before it hears of Started.
-                        await self._nc.publish(r.item.ack_subject, b"+ACK")
-                    await self._event(
-                        Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms())
-                    )
-                    self._slot_event.set()  # it left the engine's queue
-                if ev.finish_reason is not None:
-                    outcome = ev
-                    break
-                # The first token goes out at once (it is the TTFT); later ones are
-                # coalesced for at most coalesce_ms.
-                if r.buf_num_tokens and (
-                    first or coalesce_s <= 0 or mono_s() - r.buf_since_s >= coalesce_s
-                ):
-                    await self._flush(r)
-        finally:
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump  # closes the engine stream: the engine frees the sequence
-        try:
-            await self._finish(r, outcome)
-        except Exception as exc:  # noqa: BLE001 - never let one request kill the worker
-            self.log.error("finish_failed", request_id=rid, error=repr(exc))
-        finally:
-            self._reqs.pop(rid, None)
-            self._slot_event.set()
-
-    async def _finish(self, r: InFlight, outcome: object) -> None:
-        rid = r.request_id
-        if r.fail is not None:
-            await self._end_with_error(r, r.fail)
-            return
-        if r.requeue_reason is not None and not r.started:
-            with contextlib.suppress(Exception):
-                await self.engine.abort(rid)
-            await self._event(
-                Requeue(request_id=rid, worker_id=self.worker_id, reason=r.requeue_reason)
-            )
-            self.log.info("requeued", request_id=rid, reason=r.requeue_reason)
-            return
-        if r.cancelled:
-            with contextlib.suppress(Exception):
-                await self.engine.abort(rid)
-            await self._end_with_error(
-                r, ErrorInfo.of(ErrorCode.CANCELLED, "request cancelled"), finish_reason="abort"
-            )
-            return
-        if isinstance(outcome, EngineDead):
-            self._engine_died(str(outcome))
-            await self._end_with_error(r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, str(outcome)))
-            return
-        if isinstance(outcome, EngineError):
-            await self._end_with_error(r, ErrorInfo.of(outcome.code, outcome.message))
-            return
-        if isinstance(outcome, BaseException):
-            self.log.error("engine_request_failed", request_id=rid, error=repr(outcome))
-            await self._end_with_error(
-                r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, f"engine error: {outcome!r}")
-            )
-            return
-        assert isinstance(outcome, GenerationDelta) and outcome.finish_reason is not None
-        if outcome.finish_reason == "abort":  # the engine dropped it without our cancel
-            await self._end_with_error(
-                r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, "request aborted by the engine")
-            )
-            return
-        usage = r.usage(self.worker_id, outcome.finish_reason)
-        await self._flush(r, finish_reason=outcome.finish_reason, usage=usage)
-        await self._event(
-            Finished(request_id=rid, worker_id=self.worker_id, usage=usage, ts_ms=usage.ts_ms)
-        )
-        self._publish_usage(usage)
-        self.log.info(
-            "request_finished",
-            request_id=rid,
-            tenant=usage.tenant,
-            finish_reason=usage.finish_reason,
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            ttft_ms=round(usage.ttft_ms, 2),
-            e2e_ms=round(usage.e2e_ms, 2),
-            kv_token_seconds=round(usage.kv_token_seconds, 3),
-        )
-
-    async def _end_with_error(
-        self, r: InFlight, error: ErrorInfo, finish_reason: str = "error"
-    ) -> None:
-        usage = r.usage(self.worker_id, finish_reason)
-        await self._flush(r, error=error, usage=usage)
-        await self._event(
-            Finished(
-                request_id=r.request_id,
-                worker_id=self.worker_id,
-                usage=usage,
-                error=error,
-                ts_ms=usage.ts_ms,
-            )
-        )
-        if usage.completion_tokens > 0:
-            self._publish_usage(usage)  # tokens were generated: the tenant is metered
-        self.log.info(
-            "request_failed",
-            request_id=r.request_id,
-            code=error.code.value,
-            message=error.message,
-            completion_tokens=usage.completion_tokens,
-        )
-
-    async def _flush(
-        self,
-        r: InFlight,
-        *,
-        finish_reason: str | None = None,
-        usage: Usage | None = None,
-        error: ErrorInfo | None = None,
-    ) -> None:
-        req = r.item.request
-        chunk = r.take_chunk(finish_reason=finish_reason, usage=usage, error=error)
-        try:
-            assert self._nc is not None
-            await self._nc.publish(req.reply_to, encode(chunk))
-        except Exception as exc:  # noqa: BLE001 - tokens are at-most-once by design
-            self.log.warning("chunk_publish_failed", request_id=req.request_id, error=repr(exc))
-
-    # --- events, usage, cancel, heartbeat -------------------------------------------
-
-    async def _event(self, evt: msgspec.Struct) -> None:
-        try:
-            assert self._nc is not None
-            await self._nc.publish(self.subjects.events(self.s.pool), encode(evt))
-        except Exception as exc:  # noqa: BLE001
-            self.log.warning("event_publish_failed", event=type(evt).__name__, error=repr(exc))
-
-    def _publish_usage(self, usage: Usage) -> None:
-        t = asyncio.create_task(self._publish_usage_now(usage))
-        self._background.add(t)
-        t.add_done_callback(self._background.discard)
-
-    async def _publish_usage_now(self, usage: Usage) -> None:
-        subject = self.subjects.usage(usage.tenant)
-        headers = {"Nats-Msg-Id": usage.request_id}  # one metering record per request
-        delay_s = 0.1
-        for attempt in range(1, USAGE_PUBLISH_ATTEMPTS + 1):
-            try:
-                await self.js.publish(subject, encode(usage), timeout=2.0, headers=headers)
-                return
-            except Exception as exc:  # noqa: BLE001 - retried, idempotent by msg id
-                self.log.warning("usage_publish_failed", request_id=usage.request_id,
-                                 attempt=attempt, error=repr(exc))
-                await asyncio.sleep(delay_s)
-                delay_s *= 2
-        self.log.error("usage_lost", request_id=usage.request_id, tenant=usage.tenant)
+    # --- cancel, heartbeat ---------------------------------------------------------
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:

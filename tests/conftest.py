@@ -39,3 +39,17 @@ async def nc(nats_server):
     conn = await nats.connect(nats_server.url)
     yield conn
     await conn.drain()
+
+
+TIERS = ("unit", "integration", "vllm", "e2e", "chaos")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
+def pytest_collection_modifyitems(config, items):
+    """Every test belongs to a tier. scripts/test.sh runs the tiers by marker, so a test
+    without one would be deselected by every tier and never run, silently."""
+    untiered = [i.nodeid for i in items if not any(i.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(
+            f"tests without a tier marker ({' | '.join(TIERS)}): {', '.join(untiered[:10])}"
+        )

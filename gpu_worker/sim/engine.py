@@ -16,7 +16,7 @@ fleet's fairness and latency behave as they would on real GPUs:
   lowest-priority / latest-arrived running sequence, recompute-style (its blocks are
   freed, it goes back to waiting with its original arrival, and later re-prefills
   prompt + tokens generated so far). Its stream just pauses; no tokens are repeated;
-- step time from a `CostModel`: base + per-seq × batch + per-KV-token × KV in use,
+- step time from a `StepModel`: base + per-seq × batch + per-KV-token × KV in use,
   plus the prefill of prompts admitted in that step at ``prefill_tokens_per_s``.
 
 ``time_scale`` multiplies every sleep (1.0 = real time, 0.01 = 100× faster); the
@@ -41,7 +41,7 @@ from fairlane.protocol import EngineLoad, WorkItem
 from fairlane.runtime import cancel_and_wait
 from fairlane.validation import estimate_prompt_tokens
 from gpu_worker.engine import EngineDead, EngineError, GenerationDelta, PromptTooLong
-from gpu_worker.sim.costmodel import CostModel, load_cost_model
+from gpu_worker.sim.step_model import StepModel, load_step_model
 
 log = structlog.get_logger(__name__)
 
@@ -104,7 +104,7 @@ class SimEngine:
 
     def __init__(
         self,
-        cost_model: CostModel | str = "default",
+        step_model: StepModel | str = "default",
         *,
         max_num_seqs: int | None = None,
         kv_tokens_total: int | None = None,
@@ -114,10 +114,10 @@ class SimEngine:
         fail_after_steps: int = 0,
         step_log_size: int = 10_000,
     ) -> None:
-        self.cost_model = load_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
-        self.max_num_seqs = max_num_seqs or self.cost_model.max_num_seqs
-        self.block_size = self.cost_model.kv_block_size_tokens
-        total = kv_tokens_total or self.cost_model.kv_tokens_total
+        self.step_model = load_step_model(step_model) if isinstance(step_model, str) else step_model
+        self.max_num_seqs = max_num_seqs or self.step_model.max_num_seqs
+        self.block_size = self.step_model.kv_block_size_tokens
+        total = kv_tokens_total or self.step_model.kv_tokens_total
         self.num_blocks_total = total // self.block_size
         if self.num_blocks_total < 1:
             raise ValueError("kv_tokens_total must hold at least one KV block")
@@ -152,7 +152,7 @@ class SimEngine:
     @classmethod
     def from_settings(cls, settings: object) -> SimEngine:
         return cls(
-            getattr(settings, "cost_model", "default"),
+            getattr(settings, "step_model", "default"),
             max_num_seqs=getattr(settings, "max_num_seqs", None),
             max_model_len=getattr(settings, "max_model_len", 4096),
             time_scale=getattr(settings, "time_scale", 1.0),
@@ -168,8 +168,8 @@ class SimEngine:
             self._task = asyncio.create_task(self._loop(), name="sim-engine-loop")
             log.info(
                 "sim_engine_started",
-                cost_model=self.cost_model.name,
-                cost_model_measured=self.cost_model.measured,
+                step_model=self.step_model.name,
+                step_model_measured=self.step_model.measured,
                 max_num_seqs=self.max_num_seqs,
                 kv_blocks_total=self.num_blocks_total,
                 kv_block_size_tokens=self.block_size,
@@ -245,13 +245,15 @@ class SimEngine:
                 f"KV cache {self.num_blocks_total * self.block_size} tokens)"
             )
         # Deterministic per request: the same seed (or id) always gives the same length.
-        seed = req.seed if req.seed is not None else zlib.crc32(req.request_id.encode())
+        seed = req.sampling.seed
+        if seed is None:
+            seed = zlib.crc32(req.request_id.encode())
         rng = random.Random(seed)
         if req.expected_output_tokens is not None:
             natural = max(1, req.expected_output_tokens)
         else:
             natural = 1 + int(rng.expovariate(1.0 / self.mean_output_tokens))
-        cap = max(1, min(req.max_tokens, self.max_seq_len - num_prompt))
+        cap = max(1, min(req.sampling.max_tokens, self.max_seq_len - num_prompt))
         return _Seq(
             request_id=req.request_id,
             priority=item.engine_priority,
@@ -284,7 +286,7 @@ class SimEngine:
                     continue
                 batch = list(self._running)
                 kv_in_use = sum(s.num_kv_tokens for s in batch)
-                step_ms = self.cost_model.step_ms(len(batch), kv_in_use, prefill_tokens)
+                step_ms = self.step_model.step_ms(len(batch), kv_in_use, prefill_tokens)
                 self.steps.append(StepRecord(len(batch), kv_in_use, prefill_tokens, step_ms))
                 await asyncio.sleep(step_ms / 1000.0 * self.time_scale)
                 self.num_steps += 1

@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fairlane.ratelimit import Decision, RateLimits, _LocalBuckets
+from fairlane.ratelimit_local import Decision, LocalBuckets, RateLimits
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def test_requests_per_min_and_refill():
-    b = _LocalBuckets()
+    b = LocalBuckets()
     lim = RateLimits(requests_per_min=2)
     assert b.admit("k", lim, 0, "r1", now=0).allowed
     assert b.admit("k", lim, 0, "r2", now=0).allowed
@@ -23,7 +23,7 @@ def test_requests_per_min_and_refill():
 
 
 def test_tokens_settle_refund_and_debt_cap():
-    b = _LocalBuckets()
+    b = LocalBuckets()
     lim = RateLimits(tokens_per_min=1000)
     assert b.admit("k", lim, 600, "r1", now=0).allowed
     assert not b.admit("k", lim, 600, "r2", now=0).allowed
@@ -37,7 +37,7 @@ def test_tokens_settle_refund_and_debt_cap():
 
 
 def test_estimate_larger_than_budget_still_runs_when_full():
-    b = _LocalBuckets()
+    b = LocalBuckets()
     assert b.admit("k", RateLimits(tokens_per_min=100), 10_000, "r", now=0).allowed
 
 
@@ -51,7 +51,7 @@ def test_retry_after_seconds_rounds_up():
     steps=st.lists(st.tuples(st.integers(0, 5_000), st.booleans()), max_size=60),
 )
 def test_never_admits_more_than_capacity_plus_refill(rpm, steps):
-    b = _LocalBuckets()
+    b = LocalBuckets()
     lim = RateLimits(requests_per_min=rpm)
     now = 0
     admitted = 0

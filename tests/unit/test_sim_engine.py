@@ -7,24 +7,24 @@ import asyncio
 import msgspec
 import pytest
 
-from fairlane.protocol import InferenceRequest, WorkItem
+from fairlane.protocol import InferenceRequest, SamplingParams, WorkItem
 from gpu_worker.engine import EngineDead, GenerationDelta, PromptTooLong
-from gpu_worker.sim.costmodel import (
-    CostModel,
-    CostModelError,
-    available_cost_models,
-    load_cost_model,
-    parse_cost_model,
-    save_cost_model,
-)
 from gpu_worker.sim.engine import SimEngine
+from gpu_worker.sim.step_model import (
+    StepModel,
+    StepModelError,
+    available_step_models,
+    load_step_model,
+    parse_step_model,
+    save_step_model,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
 
 FAST = 0.001  # time_scale: a 10 ms simulated step sleeps 10 us
 
 
-def model(**kw) -> CostModel:
+def model(**kw) -> StepModel:
     base = dict(
         name="test",
         max_num_seqs=8,
@@ -36,7 +36,7 @@ def model(**kw) -> CostModel:
         step_per_kv_token_ms=0.001,
     )
     base.update(kw)
-    return CostModel(**base)
+    return StepModel(**base)
 
 
 def item(rid: str, *, prompt_tokens: int = 32, out: int | None = 8, max_tokens: int = 256,
@@ -49,9 +49,8 @@ def item(rid: str, *, prompt_tokens: int = 32, out: int | None = 8, max_tokens: 
         reply_to="inbox.x",
         prompt=prompt,
         prompt_token_ids=None if prompt is not None else list(range(prompt_tokens)),
-        max_tokens=max_tokens,
+        sampling=SamplingParams(max_tokens=max_tokens, seed=seed),
         expected_output_tokens=out,
-        seed=seed,
     )
     return WorkItem(request=req, engine_priority=priority)
 
@@ -64,7 +63,7 @@ async def collect(engine: SimEngine, it: WorkItem) -> list[GenerationDelta]:
 async def engines():
     made: list[SimEngine] = []
 
-    def make(cm: CostModel | None = None, **kw) -> SimEngine:
+    def make(cm: StepModel | None = None, **kw) -> SimEngine:
         kw.setdefault("time_scale", FAST)
         e = SimEngine(cm or model(), **kw)
         made.append(e)
@@ -75,12 +74,12 @@ async def engines():
         await e.close()
 
 
-# --- cost model ---------------------------------------------------------------------
+# --- step model ---------------------------------------------------------------------
 
 
-def test_default_cost_model_loads_and_is_marked_not_measured():
-    cm = load_cost_model("default")
-    assert "default" in available_cost_models()
+def test_default_step_model_loads_and_is_marked_not_measured():
+    cm = load_step_model("default")
+    assert "default" in available_step_models()
     assert cm.measured is False
     assert "NOT measured" in cm.notes
     assert cm.num_kv_blocks == cm.kv_tokens_total // cm.kv_block_size_tokens
@@ -91,22 +90,22 @@ def test_default_cost_model_loads_and_is_marked_not_measured():
     )
 
 
-def test_cost_model_roundtrip_by_path_and_errors(tmp_path):
+def test_step_model_roundtrip_by_path_and_errors(tmp_path):
     cm = model(name="calibrated", measured=True, measured_on="cpu", command="calibrate")
     path = tmp_path / "calibrated.json"
-    save_cost_model(cm, path)
-    assert load_cost_model(str(path)) == cm
-    with pytest.raises(CostModelError, match="shipped models"):
-        load_cost_model("no-such-model")
-    with pytest.raises(CostModelError, match="invalid cost model"):
-        parse_cost_model(b'{"name": "x"}')
-    with pytest.raises(CostModelError, match="format_version"):
-        parse_cost_model(msgspec.json.encode({**msgspec.to_builtins(cm), "format_version": 9}))
-    with pytest.raises(CostModelError, match="kv_tokens_total"):
-        parse_cost_model(msgspec.json.encode({**msgspec.to_builtins(cm), "kv_tokens_total": 1}))
+    save_step_model(cm, path)
+    assert load_step_model(str(path)) == cm
+    with pytest.raises(StepModelError, match="shipped models"):
+        load_step_model("no-such-model")
+    with pytest.raises(StepModelError, match="invalid step model"):
+        parse_step_model(b'{"name": "x"}')
+    with pytest.raises(StepModelError, match="format_version"):
+        parse_step_model(msgspec.json.encode({**msgspec.to_builtins(cm), "format_version": 9}))
+    with pytest.raises(StepModelError, match="kv_tokens_total"):
+        parse_step_model(msgspec.json.encode({**msgspec.to_builtins(cm), "kv_tokens_total": 1}))
     # unknown keys (extra measurements) are ignored
     extra = {**msgspec.to_builtins(cm), "samples": [1, 2]}
-    assert parse_cost_model(msgspec.json.encode(extra)).name == "calibrated"
+    assert parse_step_model(msgspec.json.encode(extra)).name == "calibrated"
 
 
 # --- engine ---------------------------------------------------------------------------
@@ -164,7 +163,7 @@ async def test_step_time_grows_with_batch_and_kv(engines):
     batch = [s for s in e.steps if s.prefill_tokens == 0 and s.num_running == 6]
     assert solo and batch
     assert min(s.step_ms for s in batch) > max(s.step_ms for s in solo)
-    cm = e.cost_model
+    cm = e.step_model
     for s in [*solo, *batch]:
         assert s.step_ms == pytest.approx(
             cm.step_base_ms + cm.step_per_seq_ms * s.num_running

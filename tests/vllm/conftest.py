@@ -12,7 +12,8 @@ import uuid
 
 import pytest
 
-from fairlane.protocol import ChatMessage, InferenceRequest, WorkItem
+from fairlane.protocol import ChatMessage, WorkItem
+from tests.helpers import request as request_with_sampling
 from tests.vllm.tiny_model import write_tiny_model
 
 MAX_NUM_SEQS = 4
@@ -26,7 +27,13 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 async def vllm_engine(tiny_model_dir):
-    pytest.importorskip("vllm")
+    # Missing vLLM fails the tier rather than skipping it: a green vllm tier must mean
+    # the engine ran (scripts/test.sh leaves the tier out only with FAIRLANE_SKIP_VLLM=1).
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"the vllm tier needs vLLM ({exc}); FAIRLANE_SKIP_VLLM=1 skips the tier",
+                    pytrace=False)
     # The CPU build sizes its KV cache from this (GiB); 1 is plenty for the tests.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from gpu_worker.vllm_engine import VllmEngine, VllmEngineConfig
@@ -60,7 +67,7 @@ def make_item():
     ) -> WorkItem:
         if messages is not None:
             request_fields["messages"] = [ChatMessage(role=r, content=c) for r, c in messages]
-        request = InferenceRequest(
+        request = request_with_sampling(
             request_id=f"r-{uuid.uuid4().hex[:12]}",
             tenant=tenant,
             pool="cpu",

@@ -20,14 +20,15 @@ import nats
 import pytest
 
 from dispatcher.config import DispatcherSettings
-from dispatcher.scheduler.config import SchedulerConfig
 from dispatcher.service import Dispatcher
+from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import ChatMessage, ErrorCode, Finished, decode_event
 from fairlane.subjects import Subjects
 from gpu_worker.chat_template import render_chat
 from gpu_worker.config import WorkerSettings
 from gpu_worker.service import Worker
 from producer.client import FairlaneClient, RequestError
+from tests.helpers import spec
 from tests.vllm.conftest import MAX_MODEL_LEN, MAX_NUM_SEQS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -133,10 +134,10 @@ PROMPT_IDS = [((i * 37) % 500) + 1 for i in range(20)]
 
 async def test_request_streams_all_tokens_in_order(fleet, make_item):
     max_tokens = 24
-    stream = await fleet.client.submit(
+    stream = await fleet.client.submit(spec(
         tenant="acme", pool=POOL, prompt_token_ids=PROMPT_IDS, max_tokens=max_tokens,
         temperature=0.0, return_token_ids=True,
-    )
+    ))
     chunks = [c async for c in stream]
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert all(c.finish_reason is None for c in chunks[:-1])
@@ -163,30 +164,64 @@ async def test_request_streams_all_tokens_in_order(fleet, make_item):
     await fleet.wait_idle()
 
 
-async def test_cancel_mid_stream_aborts_in_vllm(fleet):
+async def test_cancel_mid_stream_aborts_in_vllm(fleet, monkeypatch):
+    """A cancel that reaches the worker while vLLM runs the request aborts it in vLLM.
+
+    Not a race with the request's end: right after the first chunk, vLLM's scheduler is
+    paused with its own pause_generation(mode="keep") (running requests stay, no step
+    runs), so a request still running then cannot finish on its own before the cancel
+    lands. Only an engine that outran the pause (a starved event loop on a busy machine
+    sees the first chunk late) can end the request first; that attempt generated every
+    token, proves nothing either way, and is repeated with a new request. The abort is
+    observed where it happens -- AsyncLLM.abort called for this request id -- not
+    inferred from timing.
+    """
+    llm = fleet.engine._llm
+    aborted: dict[str, asyncio.Event] = {}
+    real_abort = llm.abort
+
+    async def abort(request_id, *args, **kwargs):
+        if isinstance(request_id, str) and request_id in aborted:
+            aborted[request_id].set()
+        return await real_abort(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "abort", abort)
     max_tokens = MAX_MODEL_LEN - 16
-    stream = await fleet.client.submit(
-        tenant="acme", pool=POOL, prompt_token_ids=PROMPT_IDS[:8], max_tokens=max_tokens,
-    )
-    seen = 0
-    async for _chunk in stream:
-        seen += 1
-        if seen == 3:
+    for _attempt in range(5):
+        stream = await fleet.client.submit(spec(
+            tenant="acme", pool=POOL, prompt_token_ids=PROMPT_IDS[:8], max_tokens=max_tokens,
+        ))
+        rid = stream.request_id
+        aborted[rid] = asyncio.Event()
+        chunks = aiter(stream)
+        first = await anext(chunks)  # vLLM is running the request
+        assert first.num_tokens >= 1 and first.finish_reason is None
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await stream.cancel()
+            fin = await fleet.wait_finished(rid)
+        finally:
+            await llm.resume_generation()
+            await chunks.aclose()
+        if fin.usage.completion_tokens < max_tokens:
             break
-    assert fleet.engine._inflight.get(stream.request_id) is not None  # running in vLLM
-    await stream.cancel()
-    fin = await fleet.wait_finished(stream.request_id)
+        await fleet.wait_idle()  # the engine outran the pause: try again
+    else:
+        pytest.fail("vLLM finished every request before the pause reached it")
+
+    await asyncio.wait_for(aborted[rid].wait(), 10)  # the worker aborted it in vLLM
     assert fin.error is not None and fin.error.code is ErrorCode.CANCELLED
     assert fin.usage.finish_reason == "abort"
-    assert 3 <= fin.usage.completion_tokens < max_tokens
+    assert 1 <= fin.usage.completion_tokens < max_tokens
     await fleet.wait_idle()  # vLLM's output processor ends with 0 unfinished
     assert fleet.engine._llm.output_processor.get_num_unfinished_requests() == 0
+    assert rid not in fleet.engine._inflight
 
 
 async def test_prompt_too_long_then_keeps_serving(fleet):
     too_long = [((i * 13) % 500) + 1 for i in range(MAX_MODEL_LEN + 40)]
-    stream = await fleet.client.submit(
-        tenant="acme", pool=POOL, prompt_token_ids=too_long, max_tokens=8)
+    stream = await fleet.client.submit(spec(
+        tenant="acme", pool=POOL, prompt_token_ids=too_long, max_tokens=8))
     with pytest.raises(RequestError) as err:
         await stream.collect()
     assert err.value.error.code is ErrorCode.PROMPT_TOO_LONG
@@ -194,14 +229,14 @@ async def test_prompt_too_long_then_keeps_serving(fleet):
 
     # A text prompt that only the engine's tokenizer finds too long.
     text = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
-    stream = await fleet.client.submit(tenant="acme", pool=POOL, prompt=text, max_tokens=8)
+    stream = await fleet.client.submit(spec(tenant="acme", pool=POOL, prompt=text, max_tokens=8))
     with pytest.raises(RequestError) as err:
         await stream.collect()
     assert err.value.error.code is ErrorCode.PROMPT_TOO_LONG
 
     # The worker is still serving.
-    stream = await fleet.client.submit(
-        tenant="acme", pool=POOL, prompt_token_ids=PROMPT_IDS, max_tokens=6)
+    stream = await fleet.client.submit(spec(
+        tenant="acme", pool=POOL, prompt_token_ids=PROMPT_IDS, max_tokens=6))
     done = await stream.collect()
     assert done.finish_reason == "length" and done.usage.completion_tokens == 6
     await fleet.wait_idle()
@@ -212,8 +247,8 @@ async def test_chat_messages_request(fleet):
         ChatMessage(role="system", content="be brief"),
         ChatMessage(role="user", content="hello world"),
     ]
-    stream = await fleet.client.submit(tenant="globex", pool=POOL, messages=messages,
-                                       max_tokens=10)
+    stream = await fleet.client.submit(spec(tenant="globex", pool=POOL, messages=messages,
+                                            max_tokens=10))
     done = await stream.collect()
     assert done.finish_reason == "length"
     assert done.usage.completion_tokens == 10
@@ -229,8 +264,8 @@ async def test_concurrent_requests_beyond_batch_cap(fleet):
     """More requests than max_num_seqs + prefetch: all complete, exact lengths."""
     n = MAX_NUM_SEQS * 3
     streams = [
-        await fleet.client.submit(tenant=f"t{i % 3}", pool=POOL,
-                                  prompt_token_ids=PROMPT_IDS[: 5 + i], max_tokens=12)
+        await fleet.client.submit(spec(tenant=f"t{i % 3}", pool=POOL,
+                                       prompt_token_ids=PROMPT_IDS[: 5 + i], max_tokens=12))
         for i in range(n)
     ]
     done = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), 60)

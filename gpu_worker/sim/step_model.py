@@ -1,8 +1,10 @@
-"""Cost models for the continuous-batching simulator (`gpu_worker.sim.engine.SimEngine`).
+"""Step-time models for the continuous-batching simulator (`gpu_worker.sim.engine.SimEngine`).
 
-A cost model is a small JSON file that says how fast one engine replica runs, so that
+Not to be confused with the scheduler's request cost (``cost_model: requests | tokens |
+kv_seconds``, `dispatcher.scheduler.cost`), which prices requests for fair sharing. A
+step model is a small JSON file that says how fast one engine replica runs, so that
 the simulator's step times, batch cap and KV-cache size behave like a real deployment.
-Files live in ``gpu_worker/sim/costmodels/<name>.json`` (loaded by name) or anywhere on
+Files live in ``gpu_worker/sim/step_models/<name>.json`` (loaded by name) or anywhere on
 disk (loaded by path). The calibration script measures an engine and writes this
 format; ``default.json`` ships hand-picked, *not measured* numbers.
 
@@ -24,7 +26,7 @@ Format (version 1; every field below is a top-level JSON key)::
       "step_per_kv_token_ms": 0.00025     # decode step: per KV token in use
     }
 
-Step model: one engine step decodes one token for every running sequence and takes
+Step time: one engine step decodes one token for every running sequence and takes
 
     step_ms = step_base_ms + step_per_seq_ms * num_running
               + step_per_kv_token_ms * kv_tokens_in_use
@@ -42,16 +44,16 @@ from pathlib import Path
 
 import msgspec
 
-COSTMODELS_DIR = Path(__file__).with_name("costmodels")
+STEP_MODELS_DIR = Path(__file__).with_name("step_models")
 FORMAT_VERSION = 1
 
 
-class CostModelError(ValueError):
-    """A cost model file is missing or invalid (a ValueError, so msgspec reports it
+class StepModelError(ValueError):
+    """A step model file is missing or invalid (a ValueError, so msgspec reports it
     with the field path when raised from validation)."""
 
 
-class CostModel(msgspec.Struct, kw_only=True):
+class StepModel(msgspec.Struct, kw_only=True):
     name: str
     max_num_seqs: int
     kv_block_size_tokens: int
@@ -68,15 +70,15 @@ class CostModel(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise CostModelError("max_num_seqs must be >= 1")
+            raise StepModelError("max_num_seqs must be >= 1")
         if self.kv_block_size_tokens < 1:
-            raise CostModelError("kv_block_size_tokens must be >= 1")
+            raise StepModelError("kv_block_size_tokens must be >= 1")
         if self.kv_tokens_total < self.kv_block_size_tokens:
-            raise CostModelError("kv_tokens_total must hold at least one block")
+            raise StepModelError("kv_tokens_total must hold at least one block")
         if self.prefill_tokens_per_s <= 0:
-            raise CostModelError("prefill_tokens_per_s must be > 0")
+            raise StepModelError("prefill_tokens_per_s must be > 0")
         if min(self.step_base_ms, self.step_per_seq_ms, self.step_per_kv_token_ms) < 0:
-            raise CostModelError("step costs must be >= 0")
+            raise StepModelError("step costs must be >= 0")
 
     @property
     def num_kv_blocks(self) -> int:
@@ -101,46 +103,46 @@ class CostModel(msgspec.Struct, kw_only=True):
         return msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n"
 
 
-_decoder = msgspec.json.Decoder(CostModel)
+_decoder = msgspec.json.Decoder(StepModel)
 
 
-def parse_cost_model(data: bytes | str, source: str = "<bytes>") -> CostModel:
+def parse_step_model(data: bytes | str, source: str = "<bytes>") -> StepModel:
     try:
         model = _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise CostModelError(f"invalid cost model {source}: {exc}") from None
+        raise StepModelError(f"invalid step model {source}: {exc}") from None
     if model.format_version != FORMAT_VERSION:
-        raise CostModelError(
-            f"cost model {source} has format_version {model.format_version}, "
+        raise StepModelError(
+            f"step model {source} has format_version {model.format_version}, "
             f"this simulator reads {FORMAT_VERSION}"
         )
     return model
 
 
-def resolve_cost_model_path(name_or_path: str) -> Path:
-    """A bare name (``default``) means ``costmodels/<name>.json``; anything with a path
+def resolve_step_model_path(name_or_path: str) -> Path:
+    """A bare name (``default``) means ``step_models/<name>.json``; anything with a path
     separator or a ``.json`` suffix is a file path."""
     if "/" in name_or_path or name_or_path.endswith(".json"):
         return Path(name_or_path).expanduser()
-    return COSTMODELS_DIR / f"{name_or_path}.json"
+    return STEP_MODELS_DIR / f"{name_or_path}.json"
 
 
-def load_cost_model(name_or_path: str = "default") -> CostModel:
-    path = resolve_cost_model_path(name_or_path)
+def load_step_model(name_or_path: str = "default") -> StepModel:
+    path = resolve_step_model_path(name_or_path)
     try:
         data = path.read_bytes()
     except OSError as exc:
-        known = ", ".join(available_cost_models()) or "none"
-        raise CostModelError(
-            f"cannot read cost model {name_or_path!r} ({path}): {exc.strerror}; "
+        known = ", ".join(available_step_models()) or "none"
+        raise StepModelError(
+            f"cannot read step model {name_or_path!r} ({path}): {exc.strerror}; "
             f"shipped models: {known}"
         ) from None
-    return parse_cost_model(data, str(path))
+    return parse_step_model(data, str(path))
 
 
-def available_cost_models() -> list[str]:
-    return sorted(p.stem for p in COSTMODELS_DIR.glob("*.json"))
+def available_step_models() -> list[str]:
+    return sorted(p.stem for p in STEP_MODELS_DIR.glob("*.json"))
 
 
-def save_cost_model(model: CostModel, path: str | Path) -> None:
+def save_step_model(model: StepModel, path: str | Path) -> None:
     Path(path).write_bytes(model.to_json())

@@ -1,0 +1,261 @@
+"""One request's life on the worker, and what it publishes (DESIGN.md sections 4 and 6).
+
+`RequestServing` is the half of `gpu_worker.service.Worker` that serves one accepted
+request: a pump task moves engine deltas into the request's queue, and the request's
+task streams coalesced `TokenChunk`s (``seq`` from 0) to the request's ``reply_to``,
+publishes `Started` on the first token and `Finished` at the end, and sends the `Usage`
+to JetStream with ``Nats-Msg-Id = request_id`` (idempotent metering). The other half
+(pulling, cancel, heartbeats, drain) stays in `gpu_worker.service`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from fairlane.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    Finished,
+    Requeue,
+    Started,
+    Usage,
+    encode,
+)
+from fairlane.runtime import now_ms
+from fairlane.subjects import Subjects
+from gpu_worker.config import WorkerSettings
+from gpu_worker.engine import Engine, EngineDead, EngineError, GenerationDelta
+from gpu_worker.inflight import WAKE, InFlight, mono_s
+
+USAGE_PUBLISH_ATTEMPTS = 5
+
+
+class RequestServing:
+    """Mixin of `Worker`: serving one request and publishing its events and usage."""
+
+    # Set by Worker.__init__ / Worker.run.
+    s: WorkerSettings
+    engine: Engine
+    subjects: Subjects
+    worker_id: str
+    js: Any
+    log: Any  # a bound structlog logger
+    _nc: NATS | None
+    _reqs: dict[str, InFlight]
+    _background: set[asyncio.Task]
+    _slot_event: asyncio.Event
+
+    def _engine_died(self, reason: str) -> None:
+        raise NotImplementedError
+
+    # --- one request ----------------------------------------------------------------
+
+    async def _pump(self, r: InFlight) -> None:
+        """Engine deltas -> the request's queue (so the server side can time flushes)."""
+        try:
+            stream: AsyncIterator[GenerationDelta] = self.engine.generate(r.item)
+            closer = getattr(stream, "aclose", None)
+            try:
+                async for delta in stream:
+                    r.queue.put_nowait(delta)
+                    if delta.finish_reason is not None:
+                        return
+            finally:
+                if closer is not None:
+                    await closer()
+            r.queue.put_nowait(EngineError("engine stream ended without a finish reason"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error chunk
+            r.queue.put_nowait(exc)
+
+    async def _serve(self, r: InFlight) -> None:
+        rid = r.request_id
+        pump = asyncio.create_task(self._pump(r), name=f"pump-{rid}")
+        coalesce_s = self.s.coalesce_ms / 1000
+        outcome: object = None
+        try:
+            while True:
+                if r.buf_num_tokens:
+                    left_s = r.buf_since_s + coalesce_s - mono_s()
+                    if left_s <= 0:
+                        await self._flush(r)
+                        continue
+                    try:
+                        ev = await asyncio.wait_for(r.queue.get(), left_s)
+                    except TimeoutError:
+                        await self._flush(r)
+                        continue
+                else:
+                    ev = await r.queue.get()
+                if r.stopping:
+                    break  # flags win over anything still queued
+                if ev is WAKE:
+                    continue
+                if isinstance(ev, BaseException):
+                    outcome = ev
+                    break
+                assert isinstance(ev, GenerationDelta)
+                first = r.add(ev, mono_s())
+                if first:
+                    if r.item.ack_subject:
+                        # Ack the request's JetStream message ourselves at the first
+                        # token, so started work is never replayed even if the
+                        # dispatcher dies before it hears of Started.
+                        await self._nc.publish(r.item.ack_subject, b"+ACK")
+                    await self._event(
+                        Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms())
+                    )
+                    self._slot_event.set()  # it left the engine's queue
+                if ev.finish_reason is not None:
+                    outcome = ev
+                    break
+                # The first token goes out at once (it is the TTFT); later ones are
+                # coalesced for at most coalesce_ms.
+                if r.buf_num_tokens and (
+                    first or coalesce_s <= 0 or mono_s() - r.buf_since_s >= coalesce_s
+                ):
+                    await self._flush(r)
+        finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump  # closes the engine stream: the engine frees the sequence
+        try:
+            await self._finish(r, outcome)
+        except Exception as exc:  # noqa: BLE001 - never let one request kill the worker
+            self.log.error("finish_failed", request_id=rid, error=repr(exc))
+        finally:
+            self._reqs.pop(rid, None)
+            self._slot_event.set()
+
+    async def _finish(self, r: InFlight, outcome: object) -> None:
+        rid = r.request_id
+        if r.fail is not None:
+            await self._end_with_error(r, r.fail)
+            return
+        if r.requeue_reason is not None and not r.started:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+            await self._event(
+                Requeue(request_id=rid, worker_id=self.worker_id, reason=r.requeue_reason)
+            )
+            self.log.info("requeued", request_id=rid, reason=r.requeue_reason)
+            return
+        if r.cancelled:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+            await self._end_with_error(
+                r, ErrorInfo.of(ErrorCode.CANCELLED, "request cancelled"), finish_reason="abort"
+            )
+            return
+        if isinstance(outcome, EngineDead):
+            self._engine_died(str(outcome))
+            await self._end_with_error(r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, str(outcome)))
+            return
+        if isinstance(outcome, EngineError):
+            await self._end_with_error(r, outcome.info())
+            return
+        if isinstance(outcome, BaseException):
+            self.log.error("engine_request_failed", request_id=rid, error=repr(outcome))
+            await self._end_with_error(
+                r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, f"engine error: {outcome!r}")
+            )
+            return
+        assert isinstance(outcome, GenerationDelta) and outcome.finish_reason is not None
+        if outcome.finish_reason == "abort":  # the engine dropped it without our cancel
+            await self._end_with_error(
+                r, ErrorInfo.of(ErrorCode.ENGINE_ERROR, "request aborted by the engine")
+            )
+            return
+        usage = r.usage(self.worker_id, outcome.finish_reason)
+        await self._flush(r, finish_reason=outcome.finish_reason, usage=usage)
+        await self._event(
+            Finished(request_id=rid, worker_id=self.worker_id, usage=usage, ts_ms=usage.ts_ms)
+        )
+        self._publish_usage(usage)
+        self.log.info(
+            "request_finished",
+            request_id=rid,
+            tenant=usage.tenant,
+            finish_reason=usage.finish_reason,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            ttft_ms=round(usage.ttft_ms, 2),
+            e2e_ms=round(usage.e2e_ms, 2),
+            kv_token_seconds=round(usage.kv_token_seconds, 3),
+        )
+
+    async def _end_with_error(
+        self, r: InFlight, error: ErrorInfo, finish_reason: str = "error"
+    ) -> None:
+        usage = r.usage(self.worker_id, finish_reason)
+        await self._flush(r, error=error, usage=usage)
+        await self._event(
+            Finished(
+                request_id=r.request_id,
+                worker_id=self.worker_id,
+                usage=usage,
+                error=error,
+                ts_ms=usage.ts_ms,
+            )
+        )
+        if usage.completion_tokens > 0:
+            self._publish_usage(usage)  # tokens were generated: the tenant is metered
+        self.log.info(
+            "request_failed",
+            request_id=r.request_id,
+            code=error.code.value,
+            message=error.message,
+            completion_tokens=usage.completion_tokens,
+        )
+
+    async def _flush(
+        self,
+        r: InFlight,
+        *,
+        finish_reason: str | None = None,
+        usage: Usage | None = None,
+        error: ErrorInfo | None = None,
+    ) -> None:
+        req = r.item.request
+        chunk = r.take_chunk(finish_reason=finish_reason, usage=usage, error=error)
+        try:
+            assert self._nc is not None
+            await self._nc.publish(req.reply_to, encode(chunk))
+        except Exception as exc:  # noqa: BLE001 - tokens are at-most-once by design
+            self.log.warning("chunk_publish_failed", request_id=req.request_id, error=repr(exc))
+
+    # --- events and usage ------------------------------------------------------------
+
+    async def _event(self, evt: msgspec.Struct) -> None:
+        try:
+            assert self._nc is not None
+            await self._nc.publish(self.subjects.events(self.s.pool), encode(evt))
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("event_publish_failed", event=type(evt).__name__, error=repr(exc))
+
+    def _publish_usage(self, usage: Usage) -> None:
+        t = asyncio.create_task(self._publish_usage_now(usage))
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    async def _publish_usage_now(self, usage: Usage) -> None:
+        subject = self.subjects.usage(usage.tenant)
+        headers = {"Nats-Msg-Id": usage.request_id}  # one metering record per request
+        delay_s = 0.1
+        for attempt in range(1, USAGE_PUBLISH_ATTEMPTS + 1):
+            try:
+                await self.js.publish(subject, encode(usage), timeout=2.0, headers=headers)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried, idempotent by msg id
+                self.log.warning("usage_publish_failed", request_id=usage.request_id,
+                                 attempt=attempt, error=repr(exc))
+                await asyncio.sleep(delay_s)
+                delay_s *= 2
+        self.log.error("usage_lost", request_id=usage.request_id, tenant=usage.tenant)
