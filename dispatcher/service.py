@@ -24,17 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
 from dispatcher.held import Held, HeldMessages
-from dispatcher.scheduler.actions import (
-    Ack,
-    Action,
-    Adopted,
-    Hold,
-    Nak,
-    Released,
-    Requeued,
-    SendError,
-    Term,
-)
+from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
@@ -420,38 +410,38 @@ class Dispatcher:
 
     # --- executing the core's decisions ------------------------------------------------
 
-    async def _apply(self, actions: list[Action]) -> None:
+    async def _apply(self, actions: list[act.Action]) -> None:
         """Execute what the core decided: the one place messages are settled and
         clients are told why their request ended."""
         wake = False
         for a in actions:
             held: Held = a.request.payload if hasattr(a, "request") else None
             match a:
-                case Hold():
+                case act.Hold():
                     self._held.hold(held)
-                case Ack(reason=reason):
+                case act.Ack(reason=reason):
                     if reason != "started":
                         log.info("request_settled", request_id=held.request.request_id,
                                  reason=reason)
                     await self._held.settle(held, "ack")
-                case Term(reason=reason):
+                case act.Term(reason=reason):
                     metrics.REJECTED.labels(reason=reason).inc()
                     await self._held.settle(held, "term")
-                case Nak():
+                case act.Nak():
                     await self._held.settle(held, "nak")
-                case SendError(code=code, message=message, retry_after_ms=retry_ms):
+                case act.SendError(code=code, message=message, retry_after_ms=retry_ms):
                     log.info("request_ended", request_id=held.request.request_id,
                              tenant=held.request.tenant, code=code.value, reason=message)
                     await self._send_error(held.request.reply_to, held.request.request_id,
                                            ErrorInfo.of(code, message, retry_ms))
-                case Requeued(reason=reason):
+                case act.Requeued(reason=reason):
                     log.info("request_requeued", request_id=held.request.request_id,
                              reason=reason)
                     wake = True
-                case Adopted(worker_id=worker_id):
+                case act.Adopted(worker_id=worker_id):
                     log.info("request_adopted", request_id=held.request.request_id,
                              worker_id=worker_id)
-                case Released(num_requests=n):
+                case act.Released(num_requests=n):
                     log.info("redeliveries_released", num_messages=n)
                     wake = True
         if wake:

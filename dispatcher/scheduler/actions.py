@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dispatcher.scheduler.types import QueuedRequest
-from fairlane.protocol import ErrorCode
+from fairlane.errors import ErrorCode
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from dispatcher.scheduler.actions import SendError
 from dispatcher.scheduler.cost import make_cost_model
 from dispatcher.scheduler.policies import Policy, make_policy
 from dispatcher.scheduler.throttle import RateMeter, predict_wait_ms, retry_after_ms
@@ -31,7 +32,6 @@ from dispatcher.scheduler.types import (
     ActualUsage,
     Admission,
     Dispatch,
-    Dropped,
     QueuedRequest,
     Verdict,
 )
@@ -403,10 +403,10 @@ class Scheduler:
 
     # --- deadlines and overload --------------------------------------------------------
 
-    def expire(self, now_ms: float) -> list[Dropped]:
+    def expire(self, now_ms: float) -> list[SendError]:
         """Drop queued requests whose deadline has passed: they never reach a GPU.
         A deadline heap makes this O(expired · log n), not a scan of the queue."""
-        out: list[Dropped] = []
+        out: list[SendError] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now_ms:
             deadline, _, req = heapq.heappop(heap)
@@ -415,13 +415,13 @@ class Scheduler:
                 continue
             self.cancel(req.request_id)
             self.drops[ErrorCode.EXPIRED] += 1
-            out.append(Dropped(req, ErrorCode.EXPIRED, "deadline passed while queued"))
+            out.append(SendError(req, ErrorCode.EXPIRED, "deadline passed while queued"))
         if len(heap) > 1024 and len(heap) > 4 * len(self._queued):
             self._deadlines = [e for e in heap if self._queued.get(e[2].request_id) is e[2]]
             heapq.heapify(self._deadlines)
         return out
 
-    def shed(self, now_ms: float, max_queued_total: int | None = None) -> list[Dropped]:
+    def shed(self, now_ms: float, max_queued_total: int | None = None) -> list[SendError]:
         """Overload shedding: cut the queue to `max_queued_total` (default: the config's).
 
         The lowest tier goes first; within a tier, the longest tenant queues are cut
@@ -457,5 +457,5 @@ class Scheduler:
         for req in victims:
             self.cancel(req.request_id)
             self.drops[ErrorCode.OVERLOADED] += 1
-            out.append(Dropped(req, ErrorCode.OVERLOADED, "shed under overload", retry_ms))
+            out.append(SendError(req, ErrorCode.OVERLOADED, "shed under overload", retry_ms))
         return out

@@ -33,6 +33,7 @@ from dispatcher.scheduler.actions import (
     Released,
     Requeued,
     SendError,
+    Term,
     refuse,
 )
 from dispatcher.scheduler.core import Scheduler
@@ -202,10 +203,8 @@ class PoolCore:
         out: list[Action] = []
         if self._grace_until_ms and now_ms >= self._grace_until_ms:
             out.extend(self._end_grace(now_ms))
-        for d in self.scheduler.expire(now_ms):
-            out.extend(refuse(d.request, d.code, d.message, d.retry_after_ms))
-        for d in self.scheduler.shed(now_ms):
-            out.extend(refuse(d.request, d.code, d.message, d.retry_after_ms))
+        for error in (*self.scheduler.expire(now_ms), *self.scheduler.shed(now_ms)):
+            out += [error, Term(error.request, error.code.value)]
         for w in self.workers.dead_workers(now_ms):
             out.extend(self._worker_lost(w, now_ms))
         return out

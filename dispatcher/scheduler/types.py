@@ -78,13 +78,3 @@ class ActualUsage:
     completion_tokens: int = 0
     kv_token_seconds: float = 0.0
     e2e_ms: float = 0.0
-
-
-@dataclass(slots=True, frozen=True)
-class Dropped:
-    """A queued request the core removed on its own (expired, shed)."""
-
-    request: QueuedRequest
-    code: ErrorCode
-    message: str
-    retry_after_ms: int | None = None
