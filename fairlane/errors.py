@@ -35,6 +35,8 @@ class ErrorCode(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     SLOW_CONSUMER = "slow_consumer"
     INTERNAL = "internal"
+    STREAM_LOST = "stream_lost"  # tokens stopped and no dispatcher vouches for it (retryable)
+    DUPLICATE = "duplicate"  # this attempt of the request id already ended: not run again
     # Edge-only (HTTP / websocket answers); never sent on NATS, where a consumer one
     # version older could not decode them.
     MODEL_NOT_FOUND = "model_not_found"
@@ -50,6 +52,7 @@ RETRYABLE_CODES = frozenset(
         ErrorCode.RATE_LIMITED,
         ErrorCode.OVERLOADED,
         ErrorCode.WORKER_LOST,
+        ErrorCode.STREAM_LOST,
     }
 )
 

@@ -14,6 +14,7 @@ Decoding never raises a bare msgspec error: every decoder here raises
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -86,6 +87,11 @@ class InferenceRequest(Struct, kw_only=True, omit_defaults=True):
     return_token_ids: bool = False
     # Expected output length for cost estimation; defaults to sampling.max_tokens.
     expected_output_tokens: int | None = None
+    # 0 for the first submission of `request_id`; a client's deliberate retry of an
+    # ended request (after `worker_lost`, say) increments it. The JetStream dedupe key
+    # is `request_id` for attempt 0 and `request_id.attempt` after, and the dispatcher
+    # answers a repeat of an ended attempt with its status instead of generating again.
+    attempt: int = 0
 
 
 class WorkItem(Struct, kw_only=True, omit_defaults=True):
@@ -109,10 +115,16 @@ class PullRequest(Struct, kw_only=True):
     max_items: Annotated[int, Meta(ge=1, le=4096)]
     free_kv_tokens: int = 0
     wait_ms: Annotated[int, Meta(ge=0, le=60_000)] = 1_000  # long-poll budget
+    # New at every worker process start: tells a restarted worker (same worker_id)
+    # from the process it replaces. "" from workers that predate incarnations.
+    incarnation: str = ""
 
 
 class WorkBatch(Struct, kw_only=True, omit_defaults=True):
     items: list[WorkItem] = []
+    # The lease epoch of the dispatcher that answered: a worker refuses a batch whose
+    # epoch is older than the newest it has seen (a deposed leader's late answer).
+    epoch: int = 0
 
 
 # --- token path -----------------------------------------------------------------------
@@ -176,6 +188,7 @@ class Started(Struct, tag="started", kw_only=True):
     request_id: str
     worker_id: str
     ts_ms: int = 0
+    incarnation: str = ""
 
 
 class Finished(Struct, tag="finished", kw_only=True, omit_defaults=True):
@@ -184,6 +197,7 @@ class Finished(Struct, tag="finished", kw_only=True, omit_defaults=True):
     usage: Usage | None = None
     error: ErrorInfo | None = None
     ts_ms: int = 0
+    incarnation: str = ""
 
 
 class Requeue(Struct, tag="requeue", kw_only=True):
@@ -192,9 +206,13 @@ class Requeue(Struct, tag="requeue", kw_only=True):
     request_id: str
     worker_id: str
     reason: str = ""
+    incarnation: str = ""
 
 
 class Heartbeat(Struct, tag="heartbeat", kw_only=True, omit_defaults=True):
+    """Sent as a NATS request: the dispatcher answers with a `HeartbeatAck`. A worker
+    with no acknowledged heartbeat within its timeout stops its work by itself."""
+
     worker_id: str
     pool: str
     load: EngineLoad = msgspec.field(default_factory=EngineLoad)
@@ -202,6 +220,20 @@ class Heartbeat(Struct, tag="heartbeat", kw_only=True, omit_defaults=True):
     draining: bool = False
     interval_ms: int = 1_000
     ts_ms: int = 0
+    incarnation: str = ""
+    # Requests the worker already started (acked at the first token): the started
+    # state survives a lost `Started` event.
+    started_ids: list[str] = []
+
+
+class HeartbeatAck(Struct, kw_only=True, omit_defaults=True):
+    """Dispatcher -> worker, the reply to a heartbeat."""
+
+    # False: this incarnation was declared lost and its work handed elsewhere; the
+    # worker aborts everything without publishing tokens or usage, and rejoins as a
+    # new incarnation.
+    known: bool = True
+    epoch: int = 0  # the answering dispatcher's lease epoch
 
 
 WorkerEvent = Started | Finished | Requeue | Heartbeat
@@ -213,6 +245,32 @@ class Cancel(Struct, kw_only=True, omit_defaults=True):
     request_id: str
     tenant: str = ""
     reason: str = "client_gone"
+
+
+# --- request status: client -> dispatcher on fl.status.<pool> --------------------------
+
+
+class StatusRequest(Struct, kw_only=True):
+    request_id: RequestId
+    tenant: str = ""
+
+
+class RequestState(enum.StrEnum):
+    QUEUED = "queued"  # waiting in the dispatcher (or held back after its restart)
+    RUNNING = "running"  # dispatched to a worker
+    ENDED = "ended"  # finished or failed recently (within the dedupe window)
+    UNKNOWN = "unknown"  # never seen, or ended long ago
+
+
+class RequestStatus(Struct, kw_only=True, omit_defaults=True):
+    """Where a request is: what a silent stream or a repeated submit is told."""
+
+    request_id: str
+    # A plain string on the wire (a newer state decodes); see `RequestState`.
+    state: str
+    attempt: int = 0
+    worker_id: str = ""
+    error: ErrorInfo | None = None  # ENDED: how it failed (None: finished normally)
 
 
 # --- pool info: producer -> dispatcher on fl.info.<pool> --------------------------------
@@ -270,6 +328,9 @@ decode_cancel = _Decoder(Cancel, "Cancel")
 decode_usage = _Decoder(Usage, "Usage")
 decode_pool_info_request = _Decoder(PoolInfoRequest, "PoolInfoRequest")
 decode_pool_info = _Decoder(PoolInfo, "PoolInfo")
+decode_heartbeat_ack = _Decoder(HeartbeatAck, "HeartbeatAck")
+decode_status_request = _Decoder(StatusRequest, "StatusRequest")
+decode_status = _Decoder(RequestStatus, "RequestStatus")
 
 
 def peek_reply_fields(data: bytes) -> tuple[str | None, str | None]:

@@ -24,14 +24,17 @@ from fairlane.protocol import (
     EngineLoad,
     Finished,
     Heartbeat,
+    HeartbeatAck,
     InferenceRequest,
     PoolInfo,
     PoolInfoRequest,
     ProtocolError,
     PullRequest,
+    RequestStatus,
     Requeue,
     SamplingParams,
     Started,
+    StatusRequest,
     TokenChunk,
     Usage,
     WorkBatch,
@@ -69,6 +72,9 @@ SAMPLES: dict[type, msgspec.Struct] = {
     Cancel: Cancel(request_id="r1", tenant="acme"),
     PoolInfoRequest: PoolInfoRequest(tenant="acme"),
     PoolInfo: PoolInfo(pool="p", tiers=["paid"], tier="paid", max_tokens=8),
+    HeartbeatAck: HeartbeatAck(known=False, epoch=3),
+    StatusRequest: StatusRequest(request_id="r1", tenant="acme"),
+    RequestStatus: RequestStatus(request_id="r1", state="ended", attempt=1, error=ERROR),
 }
 
 
