@@ -39,15 +39,20 @@ async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> int:
     except Stopped:
         log.info("stopped_during_start")
         return 0
-    await stop.wait()
-    log.info("stopping", reason="signal")
+    # A leader that loses its lease (partitioned, NATS gone past the TTL) has already
+    # stopped dispatching; it exits non-zero so its supervisor restarts it as a standby.
+    lost = asyncio.create_task(dispatcher.lease_lost.wait())
+    await asyncio.wait([lost, asyncio.create_task(stop.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    reason = "lease_lost" if dispatcher.lease_lost.is_set() else "signal"
+    log.info("stopping", reason=reason)
     try:
         # Bounded: with NATS gone, nats-py can wait on a dead connection forever, and
         # nothing is lost by leaving: JetStream redelivers held messages after ack_wait.
         await asyncio.wait_for(dispatcher.stop(), settings.stop_timeout_s)
     except TimeoutError:
         log.warning("stop_timed_out", timeout_s=settings.stop_timeout_s)
-    return 0
+    return 1 if reason == "lease_lost" else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,10 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     # JetStream: a held message is redelivered to another dispatcher after ack_wait_s
     # of silence, so this is the failover delay after a dispatcher crash.
     ack_wait_s: PositiveFloat = 30.0
+    # One dispatcher per pool leads, by a lease in the NATS KV bucket <prefix>_leader
+    # (renewed every ttl/3); the others wait. A dead leader's lease lapses after this
+    # long and a standby takes over; a graceful stop releases it at once.
+    leader_lease_ttl_s: PositiveFloat = 3.0
     # Must cover every message the dispatcher holds (queued + dispatched-not-started);
     # JetStream's default of 1,000 silently starves fetches once reached.
     max_held_messages: PositiveInt = 200_000

@@ -43,6 +43,7 @@ from fairlane.streams import ensure_streams
 from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
 from gpu_worker.engine import Engine, EngineDead
+from gpu_worker.epoch import EpochGuard
 from gpu_worker.inflight import InFlight
 from gpu_worker.serving import RequestServing
 
@@ -76,6 +77,7 @@ class Worker(RequestServing):
         self._dead_reason = ""
         self.num_pulls = 0
         self.num_pulls_failed = 0
+        self._epochs = EpochGuard()  # newest dispatcher lease epoch seen (fencing)
         self.log = log.bind(worker_id=self.worker_id, pool=settings.pool)
 
     # --- lifecycle ----------------------------------------------------------------
@@ -246,6 +248,15 @@ class Worker(RequestServing):
                 backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
                 continue
             backoff_s = BACKOFF_MIN_S
+            if batch.items and not self._epochs.admit(batch.epoch):
+                # A deposed leader's batch: never start it; hand it back (the new leader
+                # gets the un-acked messages from JetStream after ack_wait anyway).
+                self.log.warning("stale_epoch_refused", epoch=batch.epoch,
+                                 newest=self._epochs.newest, num_items=len(batch.items))
+                for item in batch.items:
+                    await self._event(Requeue(request_id=item.request.request_id,
+                                              worker_id=self.worker_id, reason="stale_epoch"))
+                continue
             if batch.items:
                 self.log.debug("pulled", num_items=len(batch.items), max_items=pull.max_items)
             for item in batch.items:

@@ -1,0 +1,93 @@
+"""Standby dispatchers: one leader per pool by a NATS KV lease; epochs fence batches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dispatcher.config import DispatcherSettings
+from dispatcher.service import Dispatcher
+from fairlane.poolconfig import SchedulerConfig
+from fairlane.protocol import PullRequest, decode_work_batch, encode
+from fairlane.subjects import Subjects
+from producer.client import FairlaneClient
+from tests.helpers import spec, wait_until
+from tests.integration.test_dispatcher import ScriptedWorker
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+def _dispatcher(url: str, subjects: Subjects) -> Dispatcher:
+    settings = DispatcherSettings(
+        nats_url=url, prefix=subjects.prefix, pool="p", worker_timeout_ms=600,
+        housekeeping_ms=50, max_tokens=512, ack_wait_s=5, leader_lease_ttl_s=1.5)
+    return Dispatcher(settings, SchedulerConfig(policy="fifo"))
+
+
+@pytest.fixture
+async def pair(nats_server, nc, uid):
+    subjects = Subjects(f"t{uid}")
+    leader = _dispatcher(nats_server.url, subjects)
+    await asyncio.wait_for(leader.start(), 10)
+    standby = _dispatcher(nats_server.url, subjects)
+    standby_start = asyncio.create_task(standby.start())
+    client = FairlaneClient(nc, prefix=subjects.prefix)
+    await client.start()
+    yield leader, standby, standby_start, client, subjects
+    await client.close()
+    standby_start.cancel()
+    for d in (leader, standby):
+        if not d._stopping:
+            await d.stop()
+        elif d.lease is not None:
+            await d.lease.stop()
+
+
+async def test_only_the_leader_dispatches_and_stamps_its_epoch(pair, nc):
+    leader, standby, standby_start, client, subjects = pair
+    await asyncio.sleep(2)  # several standby polls: it must stay standby
+    assert not standby_start.done() and not standby.ready.is_set()
+    assert leader.epoch > 0 and standby.epoch == 0
+    w = await ScriptedWorker(nc, subjects, "p", "w1").start()
+    streams = [await client.submit(spec(tenant="acme", pool="p", prompt=f"x{i}", max_tokens=2))
+               for i in range(3)]
+    await wait_until(lambda: leader.scheduler.num_queued == 3, 5)  # one batch holds all
+    pull = PullRequest(worker_id="w1", pool="p", max_items=8, wait_ms=1000)
+    reply = await nc.request(subjects.work("p"), encode(pull), timeout=4)
+    batch = decode_work_batch(reply.data)
+    assert {i.request.request_id for i in batch.items} == {s.request_id for s in streams}
+    assert batch.epoch == leader.epoch
+    assert standby.scheduler.num_in_flight == 0  # the standby holds nothing
+    w.die()
+
+
+async def test_graceful_stop_hands_over_within_2s(pair, nc):
+    leader, standby, standby_start, client, subjects = pair
+    old_epoch = leader.epoch
+    streams = [await client.submit(spec(tenant="acme", pool="p", prompt=f"x{i}", max_tokens=2))
+               for i in range(5)]
+
+    await wait_until(lambda: leader.scheduler.num_queued == 5, 5)
+    t0 = time.monotonic()
+    await leader.stop()  # releases the lease and naks its queued messages
+    await asyncio.wait_for(standby_start, 2)
+    assert standby.epoch > old_epoch
+    w = await ScriptedWorker(nc, subjects, "p", "w2").start()
+    got: set[str] = set()
+    while len(got) < 5 and time.monotonic() - t0 < 2:
+        got |= {i.request.request_id for i in await w.pull(max_items=8, wait_ms=300)}
+    assert got == {s.request_id for s in streams}
+    assert time.monotonic() - t0 < 2.5
+    w.die()
+
+
+async def test_a_fenced_leader_answers_no_pulls(pair, nc):
+    leader, standby, standby_start, client, subjects = pair
+    await client.submit(spec(tenant="acme", pool="p", prompt="x", max_tokens=2))
+    await asyncio.sleep(0.3)
+    leader.lease.machine.written_ms = -1e12  # as if its renewals stopped reaching NATS
+    pull = PullRequest(worker_id="w3", pool="p", max_items=8, wait_ms=300)
+    with pytest.raises(TimeoutError):
+        await nc.request(subjects.work("p"), encode(pull), timeout=1)
