@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import nats
 import structlog
@@ -24,6 +25,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
 from dispatcher.held import Held, HeldMessages
+from dispatcher.leader import LeaderLease, pool_lease
+from dispatcher.queries import answer_info, answer_status
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
@@ -34,7 +37,6 @@ from fairlane.protocol import (
     ErrorInfo,
     Finished,
     Heartbeat,
-    PoolInfo,
     ProtocolError,
     PullRequest,
     Requeue,
@@ -44,7 +46,6 @@ from fairlane.protocol import (
     WorkItem,
     decode_cancel,
     decode_event,
-    decode_pool_info_request,
     decode_pull,
     decode_request,
     encode,
@@ -101,6 +102,10 @@ class Dispatcher:
         self._subs: list = []
         self._stopping = False
         self.ready = asyncio.Event()
+        # Leader lease (dispatcher/leader.py); `epoch` stamps WorkBatch and heartbeat acks.
+        self.epoch = 0
+        self.lease: LeaderLease | None = None
+        self.lease_lost = asyncio.Event()
 
     def _limits(self) -> RequestLimits:
         s = self.settings
@@ -122,8 +127,11 @@ class Dispatcher:
                 error_cb=log_nats_error,
             )
         self.js = self.nc.jetstream()
-        self.core.begin_grace(mono_ms())
         await ensure_streams(self.js, self.subjects, s)
+        # A standby waits here: no consumers, no pull/info answers until it leads.
+        self.lease = pool_lease(self.js, s.prefix, s.pool, s.leader_lease_ttl_s, self._fenced)
+        self.epoch = await self.lease.acquire()
+        self.core.begin_grace(mono_ms())  # adopt what workers report for a predecessor
         for tier in self.scheduler.config.tiers:
             sub = await self._consumer(tier.name)
             self._subs.append(sub)
@@ -133,12 +141,19 @@ class Dispatcher:
         self._subs.append(await self.nc.subscribe(self.subjects.events(s.pool), cb=self._on_event))
         self._subs.append(await self.nc.subscribe(self.subjects.cancel(s.pool), cb=self._on_cancel))
         self._subs.append(await self.nc.subscribe(
-            self.subjects.info(s.pool), queue="dispatchers", cb=self._on_info))
+            self.subjects.info(s.pool), queue="dispatchers", cb=partial(answer_info, self)))
+        self._subs.append(await self.nc.subscribe(
+            self.subjects.status(s.pool), queue="dispatchers", cb=partial(answer_status, self)))
         self._tasks.append(asyncio.create_task(self._match_loop()))
         self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
         self.ready.set()
         log.info("dispatcher_started", pool=s.pool, policy=self.scheduler.config.policy,
                  tiers=[t.name for t in self.scheduler.config.tiers])
+
+    async def _fenced(self) -> None:
+        """Lease lost: _serve_pulls already answers nothing; __main__ exits (restart = standby)."""
+        self.epoch = 0
+        self.lease_lost.set()
 
     async def _consumer(self, tier: str):
         """One durable pull consumer per tier: a free-tier backlog never blocks paid
@@ -160,6 +175,8 @@ class Dispatcher:
         """Stop fetching and answering; held messages stay un-acked for the next
         dispatcher (they come back after ack_wait, or at once when nak'ed here)."""
         self._stopping = True
+        if self.lease is not None:  # release first: a standby takes over, gets the naks below
+            await self.lease.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -258,7 +275,7 @@ class Dispatcher:
             prompt_tokens=estimate_prompt_tokens(req), max_output_tokens=req.sampling.max_tokens,
             expected_output_tokens=req.expected_output_tokens or req.sampling.max_tokens,
             priority=req.priority, arrival_ms=now, deadline_ms=deadline,
-            ttft_budget_ms=req.ttft_budget_ms,
+            ttft_budget_ms=req.ttft_budget_ms, attempt=req.attempt,
         )
         q.payload = Held(msg, req, now)
         await self._apply(self.core.submit(q, now, redelivered=_redelivered(msg)))
@@ -292,12 +309,14 @@ class Dispatcher:
     async def _serve_pulls(self) -> None:
         now = mono_ms()
         pending: deque[_Pull] = deque()
+        if self.lease is not None and not self.lease.leading():
+            return  # fenced: dispatch nothing more; unanswered pulls time out
         while self._pulls:
             p = self._pulls.popleft()
             alive = self.core.is_alive(p.pull.worker_id)  # not declared lost since
             batch = self._select_for(p.pull, now)
             if batch or now >= p.expires_ms or not alive:
-                await self.nc.publish(p.reply, encode(WorkBatch(items=batch)))
+                await self.nc.publish(p.reply, encode(WorkBatch(items=batch, epoch=self.epoch)))
             else:
                 pending.append(p)
         self._pulls = pending
@@ -350,25 +369,7 @@ class Dispatcher:
             log.warning("bad_cancel", error=exc.message)
             return
         # Queued: ended here. Running: the worker (subscribed too) aborts it.
-        await self._apply(self.core.on_cancel(cancel.request_id, cancel.reason))
-
-    async def _on_info(self, msg: Msg) -> None:
-        """Answer a producer's question: which tier is this tenant in, what limits?"""
-        if not msg.reply:
-            return
-        try:
-            tenant = decode_pool_info_request(msg.data).tenant
-        except ProtocolError as exc:
-            log.warning("bad_info_request", error=exc.message)
-            tenant = ""
-        tcfg = self.scheduler.tenant_config(tenant) if tenant else None
-        info = PoolInfo(
-            pool=self.settings.pool, tiers=[t.name for t in self.scheduler.config.tiers],
-            tenant=tenant, tier=tcfg.tier if tcfg else None,
-            max_tokens=self.limits.max_tokens, max_prompt_tokens=self.limits.max_prompt_tokens,
-            max_prompt_chars=self.limits.max_prompt_chars,
-        )
-        await self.nc.publish(msg.reply, encode(info))
+        await self._apply(self.core.on_cancel(cancel.request_id, cancel.reason, mono_ms()))
 
     # --- housekeeping ------------------------------------------------------------------
 

@@ -107,6 +107,9 @@ class Scheduler:
     def queued(self) -> Iterable[QueuedRequest]:
         return self._queued.values()
 
+    def queued_request(self, request_id: str) -> QueuedRequest | None:
+        return self._queued.get(request_id)
+
     def in_flight_request(self, request_id: str) -> QueuedRequest | None:
         f = self._in_flight.get(request_id)
         return f.request if f else None

@@ -21,7 +21,9 @@ Recovery rules (DESIGN.md section 4):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from dispatcher.scheduler.actions import (
@@ -39,7 +41,7 @@ from dispatcher.scheduler.actions import (
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest, Verdict
 from dispatcher.scheduler.workers import WorkerRegistry, WorkerState
-from fairlane.protocol import ErrorCode
+from fairlane.protocol import ErrorCode, RequestState
 
 
 class LoadReport(Protocol):
@@ -51,10 +53,33 @@ class LoadReport(Protocol):
     kv_tokens_total: int
 
 
+@dataclass(slots=True, frozen=True)
+class Status:
+    """Where a request is (`fairlane.protocol.RequestStatus` without the wire)."""
+
+    state: RequestState
+    attempt: int = 0
+    worker_id: str = ""
+    error: SendError | None = None  # ENDED with an error: how
+
+
+@dataclass(slots=True, frozen=True)
+class _Ended:
+    attempt: int
+    error: SendError | None
+    ended_ms: float
+
+
 class PoolCore:
+    # How long ended requests are remembered: the JetStream dedupe window, inside which
+    # a repeat of the same attempt is answered with its status, never run again.
+    ended_ttl_ms = 120_000.0
+    max_ended = 200_000  # bound on that memory (oldest forgotten first)
+
     def __init__(self, scheduler: Scheduler, worker_timeout_ms: float) -> None:
         self.scheduler = scheduler
         self.workers = WorkerRegistry(worker_timeout_ms)
+        self._ended: OrderedDict[str, _Ended] = OrderedDict()
         self._grace_until_ms = 0.0
         self._deferred: dict[str, QueuedRequest] = {}  # redeliveries held during grace
         self._reported: dict[str, str] = {}  # request id -> worker, heartbeats in grace
@@ -78,6 +103,14 @@ class PoolCore:
         the refusal actions if not, [] for a duplicate of one already known."""
         if self.is_known(req.request_id):
             return []
+        ended = self._ended_entry(req.request_id, now_ms)
+        if ended is not None and req.attempt <= ended.attempt:
+            # A repeat that escaped JetStream's dedupe (published without Nats-Msg-Id,
+            # or by another client): answer with its status, never generate twice.
+            how = f"failed with {ended.error.code.value}" if ended.error else "finished"
+            return refuse(req, ErrorCode.DUPLICATE,
+                          f"attempt {ended.attempt} of request {req.request_id} already "
+                          f"{how}; submit attempt {ended.attempt + 1} to run it again")
         if redelivered and self.in_grace(now_ms):
             # Maybe a worker already runs it: decide once heartbeats had their chance.
             self._deferred[req.request_id] = req
@@ -108,6 +141,38 @@ class PoolCore:
             return []
         self.workers.assign(request_id, worker_id, now_ms)
         return [Adopted(req, worker_id)]
+
+    # --- request status ----------------------------------------------------------------
+
+    def status(self, request_id: str, now_ms: float) -> Status:
+        if request_id in self._deferred or self.scheduler.is_queued(request_id):
+            req = self._deferred.get(request_id) or self.scheduler.queued_request(request_id)
+            return Status(RequestState.QUEUED, req.attempt if req else 0)
+        req = self.scheduler.in_flight_request(request_id)
+        if req is not None:
+            return Status(RequestState.RUNNING, req.attempt,
+                          self.workers.worker_of(request_id) or "")
+        ended = self._ended_entry(request_id, now_ms)
+        if ended is not None:
+            return Status(RequestState.ENDED, ended.attempt, error=ended.error)
+        return Status(RequestState.UNKNOWN)
+
+    def _ended_entry(self, request_id: str, now_ms: float) -> _Ended | None:
+        e = self._ended.get(request_id)
+        return e if e is not None and now_ms - e.ended_ms <= self.ended_ttl_ms else None
+
+    def _remember(self, actions: list[Action], now_ms: float) -> list[Action]:
+        """Note every request these actions end (finished, failed, dropped, cancelled)."""
+        errors = {a.request.request_id: a for a in actions if isinstance(a, SendError)}
+        for a in actions:
+            if isinstance(a, Term) or (isinstance(a, Ack) and a.reason != "started"):
+                rid = a.request.request_id
+                self._ended.pop(rid, None)
+                self._ended[rid] = _Ended(a.request.attempt, errors.get(rid), now_ms)
+        while self._ended and (len(self._ended) > self.max_ended or now_ms - next(
+                iter(self._ended.values())).ended_ms > self.ended_ttl_ms):
+            self._ended.popitem(last=False)
+        return actions
 
     # --- pulls -------------------------------------------------------------------------
 
@@ -141,7 +206,7 @@ class PoolCore:
     def on_finished(self, request_id: str, worker_id: str, usage: ActualUsage | None,
                     now_ms: float) -> list[Action]:
         self.workers.seen(worker_id, now_ms)
-        return self._finish(request_id, usage, now_ms, "finished")
+        return self._remember(self._finish(request_id, usage, now_ms, "finished"), now_ms)
 
     def _finish(self, request_id: str, usage: ActualUsage | None, now_ms: float,
                 reason: str) -> list[Action]:
@@ -186,14 +251,14 @@ class PoolCore:
                 out.extend(self._finish(rid, None, now_ms, "reconciled"))
             else:
                 out.extend(self._requeue(rid, now_ms, "reconciled"))
-        return out
+        return self._remember(out, now_ms)
 
-    def on_cancel(self, request_id: str, reason: str) -> list[Action]:
+    def on_cancel(self, request_id: str, reason: str, now_ms: float) -> list[Action]:
         """Queued: removed and ended. Running (the worker aborts it) or unknown: []."""
         req = self._deferred.pop(request_id, None) or self.scheduler.cancel(request_id)
         if req is None:
             return []
-        return refuse(req, ErrorCode.CANCELLED, f"cancelled: {reason}")
+        return self._remember(refuse(req, ErrorCode.CANCELLED, f"cancelled: {reason}"), now_ms)
 
     # --- time --------------------------------------------------------------------------
 
@@ -207,7 +272,7 @@ class PoolCore:
             out += [error, Term(error.request, error.code.value)]
         for w in self.workers.dead_workers(now_ms):
             out.extend(self._worker_lost(w, now_ms))
-        return out
+        return self._remember(out, now_ms)
 
     def _end_grace(self, now_ms: float) -> list[Action]:
         self._grace_until_ms = 0.0

@@ -31,6 +31,7 @@ class QueuedRequest:
     est_cost: float = 0.0  # cost charged at dispatch (trued up on finish)
     est_kv_tokens: int = 0  # KV tokens charged against max_kv_tokens while in flight
     requeued: bool = False  # goes to the front of its priority class
+    attempt: int = 0  # the client's attempt number for this request id
     # Opaque to the core: the shell's handle (JetStream message, decoded request).
     payload: Any = field(default=None, repr=False, compare=False)
 

@@ -150,18 +150,18 @@ def test_cancel_ends_a_queued_request_and_leaves_a_running_one_to_the_worker():
     core.submit(_req("q"), 0)
     core.submit(_req("r"), 0)
     assert _dispatch(core, "w1", 1, n=1) == ["q"]
-    assert core.on_cancel("q", "client_gone") == []  # running: the worker aborts it
-    send, term = core.on_cancel("r", "client_gone")
+    assert core.on_cancel("q", "client_gone", 5) == []  # running: the worker aborts it
+    send, term = core.on_cancel("r", "client_gone", 5)
     assert isinstance(send, SendError) and send.code is ErrorCode.CANCELLED
     assert isinstance(term, Term)
-    assert core.on_cancel("r", "client_gone") == []
+    assert core.on_cancel("r", "client_gone", 5) == []
 
 
 def test_cancel_of_a_deferred_redelivery():
     core = _core()
     core.begin_grace(0)
     core.submit(_req("a"), 1, redelivered=True)
-    assert _kinds(core.on_cancel("a", "client_gone")) == ["SendError", "Term"]
+    assert _kinds(core.on_cancel("a", "client_gone", 5)) == ["SendError", "Term"]
     assert not core.is_known("a")
 
 
@@ -195,3 +195,46 @@ def test_shutdown_naks_queued_and_deferred_work_only():
     naks = core.shutdown()
     assert all(isinstance(a, Nak) for a in naks)
     assert sorted(a.request.request_id for a in naks) == ["deferred", "queued"]
+
+
+def test_status_follows_a_request_from_queued_to_ended():
+    from fairlane.protocol import RequestState
+
+    core = _core()
+    assert core.status("a", 0).state is RequestState.UNKNOWN
+    core.submit(_req("a"), 0)
+    assert core.status("a", 1).state is RequestState.QUEUED
+    _dispatch(core, "w1", 2)
+    st = core.status("a", 3)
+    assert st.state is RequestState.RUNNING and st.worker_id == "w1"
+    core.on_started("a", "w1", 4)
+    core.on_finished("a", "w1", None, 5)
+    st = core.status("a", 6)
+    assert st.state is RequestState.ENDED and st.error is None
+    # Remembered for the dedupe window only.
+    assert core.status("a", 6 + core.ended_ttl_ms + 1).state is RequestState.UNKNOWN
+
+
+def test_status_of_a_failed_request_carries_its_error():
+    from fairlane.protocol import RequestState
+
+    core = _core()
+    core.submit(_req("a"), 0)
+    _dispatch(core, "w1", 1)
+    core.on_started("a", "w1", 2)
+    core.tick(2 + TIMEOUT_MS + 1)
+    st = core.status("a", TIMEOUT_MS + 10)
+    assert st.state is RequestState.ENDED and st.error.code is ErrorCode.WORKER_LOST
+
+
+def test_a_repeat_of_an_ended_attempt_is_answered_not_run_and_a_new_attempt_runs():
+    core = _core()
+    core.submit(_req("a"), 0)
+    _dispatch(core, "w1", 1)
+    core.on_started("a", "w1", 2)
+    core.on_finished("a", "w1", None, 3)
+    send, term = core.submit(_req("a"), 4)  # same attempt, e.g. published without dedupe
+    assert isinstance(send, SendError) and send.code is ErrorCode.DUPLICATE
+    assert "attempt 1" in send.message and isinstance(term, Term)
+    assert _kinds(core.submit(_req("a", attempt=1), 5)) == ["Hold"]  # a deliberate retry
+    assert _dispatch(core, "w1", 6) == ["a"]

@@ -107,7 +107,7 @@ class Model:
                     self.running.pop(r)
             self.apply(core.on_heartbeat(x, ids, now, interval_ms=TIMEOUT_MS / 4))
         elif op == "cancel":
-            self.apply(core.on_cancel(x, "test"))
+            self.apply(core.on_cancel(x, "test", now))
         elif op == "advance":
             self.now += x
             self.apply(core.tick(self.now))

@@ -1,0 +1,65 @@
+"""Answers to questions clients ask the pool's leading dispatcher (request/reply).
+
+- `fl.info.<pool>`: a producer asks which tier a tenant is in and the pool's limits;
+- `fl.status.<pool>`: where a request is (queued, running, ended, unknown) — what a
+  silent token stream or a repeated submit is told, so no client waits forever.
+
+Both only read the pure core; they are kept out of the service shell for size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+from nats.aio.msg import Msg
+
+from fairlane.protocol import (
+    ErrorInfo,
+    PoolInfo,
+    ProtocolError,
+    RequestStatus,
+    decode_pool_info_request,
+    decode_status_request,
+    encode,
+)
+from fairlane.runtime import mono_ms
+
+if TYPE_CHECKING:
+    from dispatcher.service import Dispatcher
+
+log = structlog.get_logger(__name__)
+
+
+async def answer_info(d: Dispatcher, msg: Msg) -> None:
+    if not msg.reply:
+        return
+    try:
+        tenant = decode_pool_info_request(msg.data).tenant
+    except ProtocolError as exc:
+        log.warning("bad_info_request", error=exc.message)
+        tenant = ""
+    tcfg = d.scheduler.tenant_config(tenant) if tenant else None
+    info = PoolInfo(
+        pool=d.settings.pool, tiers=[t.name for t in d.scheduler.config.tiers],
+        tenant=tenant, tier=tcfg.tier if tcfg else None,
+        max_tokens=d.limits.max_tokens, max_prompt_tokens=d.limits.max_prompt_tokens,
+        max_prompt_chars=d.limits.max_prompt_chars,
+    )
+    await d.nc.publish(msg.reply, encode(info))
+
+
+async def answer_status(d: Dispatcher, msg: Msg) -> None:
+    if not msg.reply:
+        return
+    try:
+        ask = decode_status_request(msg.data)
+    except ProtocolError as exc:
+        log.warning("bad_status_request", error=exc.message)
+        return
+    st = d.core.status(ask.request_id, mono_ms())
+    err = st.error
+    await d.nc.publish(msg.reply, encode(RequestStatus(
+        request_id=ask.request_id, state=st.state.value, attempt=st.attempt,
+        worker_id=st.worker_id,
+        error=err and ErrorInfo.of(err.code, err.message, err.retry_after_ms))))
