@@ -21,8 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections import OrderedDict
 
 import nats
 import structlog
@@ -30,7 +29,6 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
-from fairlane.errors import FairlaneError
 from fairlane.protocol import (
     Cancel,
     ErrorCode,
@@ -39,11 +37,12 @@ from fairlane.protocol import (
     PoolInfo,
     PoolInfoRequest,
     ProtocolError,
+    RequestStatus,
     SamplingParams,
-    TokenChunk,
-    Usage,
+    StatusRequest,
     decode_chunk,
     decode_pool_info,
+    decode_status,
     encode,
 )
 from fairlane.ratelimit import RateLimiter, RateLimits
@@ -52,130 +51,22 @@ from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 from producer.spec import RequestSpec, new_request_id
+from producer.stream import Completion, RequestError, RequestStream
+from producer.watch import (
+    DEFAULT_MAX_SILENCE_S,
+    DEFAULT_SILENCE_S,
+    STATUS_TIMEOUT_S,
+    Action,
+    dedupe_key,
+    duplicate_action,
+    silence_action,
+)
 
 # The library's public names: callers import the request description from here.
 __all__ = ["Completion", "FairlaneClient", "RequestError", "RequestSpec", "RequestStream",
            "SamplingParams"]
 
 log = structlog.get_logger(__name__)
-
-
-class RequestError(FairlaneError):
-    """A request was refused or failed: `code`, `message`, `retry_after_ms`, and the
-    same as one `ErrorInfo` in `error` (`exc.error.code` is a stable `ErrorCode`)."""
-
-    @property
-    def error(self) -> ErrorInfo:
-        return self.info()
-
-    def __str__(self) -> str:
-        return f"{self.code.value}: {self.message}"
-
-
-@dataclass(slots=True)
-class Completion:
-    """A whole response, as returned by `RequestStream.collect()`."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: Usage | None
-    num_chunks: int
-    first_chunk_ms: float  # monotonic ms of the first chunk (TTFT measurements)
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """Chunks of one request, in order. Iterate it, or `collect()` it."""
-
-    request_id: str
-    tenant: str
-    pool: str
-    _client: FairlaneClient = field(repr=False)
-    _queue: asyncio.Queue = field(repr=False)
-    _next_seq: int = 0
-    _done: bool = False
-    failure: ErrorInfo | None = None
-
-    @property
-    def is_done(self) -> bool:
-        return self._done
-
-    def _fail(self, error: ErrorInfo) -> None:
-        """Fail the stream from the relay side (gap, slow consumer)."""
-        if self._done or self.failure is not None:
-            return
-        self.failure = error
-        # Wake the reader even if the queue is full: drop what is buffered.
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(None)
-
-    def _offer(self, chunk: TokenChunk) -> None:
-        """Called by the relay for every chunk of this request (any order)."""
-        if self._done or self.failure is not None:
-            return
-        try:
-            self._queue.put_nowait(chunk)
-        except asyncio.QueueFull:
-            self._fail(ErrorInfo.of(ErrorCode.SLOW_CONSUMER,
-                                    "consumer fell too far behind the token stream"))
-            self._client._spawn_cancel(self, "slow_consumer")
-
-    def __aiter__(self) -> AsyncIterator[TokenChunk]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[TokenChunk]:
-        try:
-            while not self._done:
-                chunk = await self._queue.get()
-                if chunk is None:
-                    assert self.failure is not None
-                    raise RequestError.from_info(self.failure)
-                if chunk.error is not None:  # terminal, accepted whatever its seq
-                    self._done = True
-                    self.failure = chunk.error
-                    raise RequestError.from_info(chunk.error)
-                if chunk.seq < self._next_seq:
-                    continue  # duplicate delivery: drop
-                if chunk.seq > self._next_seq:
-                    self.failure = ErrorInfo.of(
-                        ErrorCode.INTERNAL,
-                        f"token stream gap: expected seq {self._next_seq}, got {chunk.seq}",
-                    )
-                    await self.cancel("stream_gap")
-                    raise RequestError.from_info(self.failure)
-                self._next_seq += 1
-                if chunk.finish_reason is not None:
-                    self._done = True
-                yield chunk
-        finally:
-            self._client._forget(self.request_id)
-
-    async def cancel(self, reason: str = "client_gone") -> None:
-        """Tell the fleet to drop (queued) or abort (running) this request."""
-        if self._done:
-            return
-        self._done = True
-        self._client._forget(self.request_id)
-        await self._client.cancel(self.request_id, self.pool, self.tenant, reason)
-
-    async def collect(self) -> Completion:
-        text: list[str] = []
-        token_ids: list[int] = []
-        finish, usage, n, first = "", None, 0, 0.0
-        loop = asyncio.get_running_loop()
-        async for chunk in self:
-            if n == 0:
-                first = loop.time() * 1000
-            n += 1
-            text.append(chunk.text)
-            if chunk.token_ids:
-                token_ids.extend(chunk.token_ids)
-            if chunk.finish_reason is not None:
-                finish, usage = chunk.finish_reason, chunk.usage
-        return Completion(self.request_id, "".join(text), token_ids, finish, usage, n, first)
 
 
 class FairlaneClient:
@@ -191,6 +82,8 @@ class FairlaneClient:
         max_buffered_chunks: int = 1024,
         owns_connection: bool = False,
         limiter: RateLimiter | None = None,
+        silence_s: float = DEFAULT_SILENCE_S,
+        max_silence_s: float = DEFAULT_MAX_SILENCE_S,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -212,12 +105,40 @@ class FairlaneClient:
         self._info: dict[tuple[str, str], tuple[float, PoolInfo | None]] = {}
         self.info_ttl_s = 10.0
         self.num_malformed_chunks = 0
+        # A stream with no chunk for `silence_s` asks the dispatcher for its status;
+        # after `max_silence_s` with nobody vouching it ends with `stream_lost`.
+        self.silence_s = silence_s
+        self.max_silence_s = max_silence_s
+        self._watchdog: asyncio.Task | None = None
+        # request id -> last attempt this client published; and the ids whose last
+        # attempt ended with a retryable error, so resubmitting them uses attempt + 1
+        # (JetStream would drop a same-key publish as a duplicate).
+        # Bounded (oldest forgotten first): a long-running edge submits millions; the
+        # dedupe window (2 min) is what matters, not history.
+        self._attempts: OrderedDict[str, int] = OrderedDict()
+        self.max_remembered_ids = 100_000
+        self._retry_next: set[str] = set()
+        # Cancels that could not be sent (connection down): resent on reconnect.
+        self._pending_cancels: dict[str, Cancel] = {}
+        self._pending_pools: dict[str, str] = {}
 
     @classmethod
     async def connect(cls, nats_url: str, **kwargs) -> FairlaneClient:
+        holder: list[FairlaneClient] = []
+
+        async def on_reconnect() -> None:
+            if holder:
+                await holder[0]._send_pending_cancels()
+
+        async def on_closed() -> None:
+            if holder:
+                holder[0]._fail_all(ErrorCode.STREAM_LOST, "NATS connection closed")
+
         nc = await nats.connect(nats_url, name="fairlane-producer", max_reconnect_attempts=-1,
-                                error_cb=log_nats_error)
+                                error_cb=log_nats_error, reconnected_cb=on_reconnect,
+                                closed_cb=on_closed)
         client = cls(nc, owns_connection=True, **kwargs)
+        holder.append(client)
         await client.start()
         return client
 
@@ -232,9 +153,24 @@ class FairlaneClient:
                 # per-request queues are the real bound.
                 pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30,
             )
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_silence())
 
     async def close(self) -> None:
-        for stream in list(self._streams.values()):
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+        # Cancel upstream first, so no GPU work continues for a closed client.
+        open_streams = list(self._streams.values())
+        for stream in open_streams:
+            with contextlib.suppress(Exception):
+                await self.cancel(stream.request_id, stream.pool, stream.tenant, "client_closed")
+        if open_streams and self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=1)
+        for stream in open_streams:
             stream._fail(ErrorInfo.of(ErrorCode.CANCELLED, "client closed"))
         if self._sub is not None:
             await self._sub.unsubscribe()
@@ -262,6 +198,66 @@ class FairlaneClient:
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def _remember(self, request_id: str, attempt: int) -> None:
+        self._attempts[request_id] = attempt
+        self._attempts.move_to_end(request_id)
+        self._retry_next.discard(request_id)
+        while len(self._attempts) > self.max_remembered_ids:
+            old, _ = self._attempts.popitem(last=False)
+            self._retry_next.discard(old)
+
+    def _note_end(self, stream: RequestStream) -> None:
+        """Remember a retryable failure: resubmitting the id then uses attempt + 1."""
+        if stream.failure is not None and stream.failure.retryable:
+            self._retry_next.add(stream.request_id)
+
+    async def request_status(self, pool: str, request_id: str,
+                             tenant: str = "") -> RequestStatus | None:
+        """The pool dispatcher's status of a request; None when nobody answers."""
+        try:
+            msg = await self.nc.request(
+                self.subjects.status(pool),
+                encode(StatusRequest(request_id=request_id, tenant=tenant)),
+                timeout=STATUS_TIMEOUT_S)
+            return decode_status(msg.data)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, ProtocolError,
+                nats.errors.ConnectionClosedError):
+            return None
+
+    async def _watch_silence(self) -> None:
+        """One task for all streams: ask about the silent ones, fail the lost ones."""
+        loop = asyncio.get_running_loop()
+        tick_s = min(1.0, self.silence_s / 2)
+        while True:
+            await asyncio.sleep(tick_s)
+            now = loop.time()
+            silent = [s for s in self._streams.values()
+                      if not s._done and s.failure is None
+                      and now - s._last_chunk_s >= self.silence_s]
+            if silent:
+                await asyncio.gather(*(self._check_silent(s, now) for s in silent),
+                                     return_exceptions=True)
+
+    async def _check_silent(self, stream: RequestStream, now: float) -> None:
+        status = await self.request_status(stream.pool, stream.request_id, stream.tenant)
+        if stream._done or stream.failure is not None:
+            return
+        if stream._unvouched_since_s is None:
+            stream._unvouched_since_s = stream._last_chunk_s
+        silent_s = asyncio.get_running_loop().time() - stream._unvouched_since_s
+        action, error = silence_action(status, silent_s, self.max_silence_s)
+        if action is Action.WAIT:
+            stream._last_chunk_s = asyncio.get_running_loop().time()
+            stream._unvouched_since_s = None
+        elif action is Action.FAIL:
+            assert error is not None
+            log.warning("stream_silent_failed", request_id=stream.request_id,
+                        code=str(error.code), silent_s=round(silent_s, 1))
+            stream._fail(error)
+            self._forget(stream.request_id)
+        else:  # ASK_AGAIN: restart the short timer, keep the total-silence clock
+            stream._last_chunk_s = asyncio.get_running_loop().time()
+
     def _spawn_cancel(self, stream: RequestStream, reason: str) -> None:
         self._forget(stream.request_id)
         task = asyncio.get_running_loop().create_task(
@@ -272,7 +268,28 @@ class FairlaneClient:
     async def cancel(self, request_id: str, pool: str, tenant: str = "",
                      reason: str = "client_gone") -> None:
         msg = Cancel(request_id=request_id, tenant=tenant, reason=reason)
+        if not self.nc.is_connected:
+            # Would be lost or stuck in the reconnect buffer: resend after reconnect.
+            self._pending_cancels[request_id] = msg
+            self._pending_pools[request_id] = pool
+            return
         await self.nc.publish(self.subjects.cancel(pool), encode(msg))
+
+    async def _send_pending_cancels(self) -> None:
+        pending, self._pending_cancels = self._pending_cancels, {}
+        for rid, msg in pending.items():
+            pool = self._pending_pools.pop(rid, "default")
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subjects.cancel(pool), encode(msg))
+        if pending:
+            log.info("pending_cancels_sent", count=len(pending))
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=1)
+
+    def _fail_all(self, code: ErrorCode, message: str) -> None:
+        for stream in list(self._streams.values()):
+            stream._fail(ErrorInfo.of(code, message))
+        self._streams.clear()
 
     async def submit(
         self,
@@ -294,6 +311,8 @@ class FairlaneClient:
         rid = spec.request_id or new_request_id()
         req = spec.to_request(request_id=rid, tier=tier, reply_to=f"{self.inbox}.{rid}",
                               created_ms=now_ms())
+        if rid in self._retry_next:  # our earlier attempt ended retryably: a new attempt
+            req.attempt = self._attempts.get(rid, 0) + 1
         return await self.submit_request(req, rate_limits, limits=limits)
 
     async def pool_info(self, pool: str, tenant: str) -> PoolInfo | None:
@@ -388,17 +407,42 @@ class FairlaneClient:
     async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.
         stream = RequestStream(req.request_id, req.tenant, req.pool, self,
-                               asyncio.Queue(maxsize=self.max_buffered_chunks))
+                               asyncio.Queue(maxsize=self.max_buffered_chunks),
+                               attempt=req.attempt)
+        stream._last_chunk_s = asyncio.get_running_loop().time()
+        ours = req.request_id in self._attempts
         self._streams[req.request_id] = stream
         try:
-            await self.js.publish(subject, encode(req), headers={
-                "Nats-Msg-Id": req.request_id,
-                # Lets the dispatcher answer even if the body arrives unreadable.
-                REPLY_HEADER: req.reply_to,
-            })
+            # Bounded: every duplicate answer either attaches, fails or moves on.
+            for _ in range(4):
+                ack = await self.js.publish(subject, encode(req), headers={
+                    "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
+                    # Lets the dispatcher answer even if the body arrives unreadable.
+                    REPLY_HEADER: req.reply_to,
+                })
+                self._remember(req.request_id, req.attempt)
+                if not getattr(ack, "duplicate", False):
+                    break
+                status = await self.request_status(req.pool, req.request_id, req.tenant)
+                action, error = duplicate_action(status, req.attempt, ours)
+                log.info("publish_duplicate", request_id=req.request_id,
+                         attempt=req.attempt, action=str(action),
+                         state=status.state if status else None)
+                if action is Action.ATTACH:
+                    break
+                if action is Action.FAIL:
+                    assert error is not None
+                    raise RequestError.from_info(error)
+                # REPUBLISH: deduped but not live; a fresh attempt is served anew.
+                req.attempt = max(req.attempt, status.attempt if status else 0) + 1
+                stream.attempt = req.attempt
+                ours = True
         except APIError as exc:
             self._forget(req.request_id)
             raise _publish_error(exc) from None
+        except RequestError:
+            self._forget(req.request_id)
+            raise
         except BaseException:  # incl. cancellation mid-publish: never leak the entry
             self._forget(req.request_id)
             raise

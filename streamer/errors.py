@@ -36,6 +36,10 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.EXPIRED: (504, "server_error"),
     ErrorCode.CANCELLED: (499, "invalid_request_error"),
     ErrorCode.WORKER_LOST: (503, "server_error"),
+    # Retryable like worker_lost: the tokens stopped and no dispatcher vouches for it.
+    ErrorCode.STREAM_LOST: (503, "server_error"),
+    # The same (request id, attempt) already ended: a conflict, not a server fault.
+    ErrorCode.DUPLICATE: (409, "invalid_request_error"),
     ErrorCode.ENGINE_ERROR: (500, "server_error"),
     ErrorCode.SLOW_CONSUMER: (400, "invalid_request_error"),
     ErrorCode.INTERNAL: (500, "server_error"),

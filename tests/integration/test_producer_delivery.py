@@ -1,0 +1,156 @@
+"""The producer's delivery guarantees against a real nats-server, dispatcher and sim
+worker: close() cancels upstream, a silent stream ends with `stream_lost`, and a retry
+with the same request id after a retryable failure is served to the end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dispatcher.config import DispatcherSettings
+from dispatcher.service import Dispatcher
+from fairlane.poolconfig import SchedulerConfig
+from fairlane.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    Finished,
+    TokenChunk,
+    decode_event,
+    encode,
+)
+from fairlane.subjects import Subjects
+from gpu_worker.config import WorkerSettings
+from gpu_worker.engines import make_engine
+from gpu_worker.service import Worker
+from producer.client import FairlaneClient, RequestError
+from tests.helpers import spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+async def fleet(nats_server, nc, uid):
+    subjects = Subjects(f"t{uid}")
+    dispatcher = Dispatcher(
+        DispatcherSettings(nats_url=nats_server.url, prefix=subjects.prefix, pool="p"),
+        SchedulerConfig(policy="drr"),
+    )
+    await dispatcher.start()
+    ws = WorkerSettings(nats_url=nats_server.url, prefix=subjects.prefix, pool="p",
+                       worker_id=f"w-{uid}", time_scale=1.0, max_num_seqs=8,
+                       heartbeat_ms=200)
+    stop = asyncio.Event()
+    worker_task = asyncio.create_task(Worker(ws, make_engine(ws)).run(stop))
+    client = FairlaneClient(nc, prefix=subjects.prefix)
+    await client.start()
+    yield client, subjects
+    await client.close()
+    stop.set()
+    assert await asyncio.wait_for(worker_task, 30) == 0
+    await dispatcher.stop()
+
+
+async def _finished_events(nc, subjects: Subjects) -> tuple[dict[str, Finished], asyncio.Event]:
+    finished: dict[str, Finished] = {}
+    changed = asyncio.Event()
+
+    async def on_evt(msg) -> None:
+        try:
+            evt = decode_event(msg.data)
+        except Exception:  # noqa: BLE001 - other event kinds / versions: not ours
+            return
+        if isinstance(evt, Finished):
+            finished[evt.request_id] = evt
+            changed.set()
+
+    await nc.subscribe(subjects.events("p"), cb=on_evt)
+    return finished, changed
+
+
+async def _wait_for(changed: asyncio.Event, pred, timeout_s: float) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not pred():
+            changed.clear()
+            await changed.wait()
+
+
+async def test_close_cancels_every_open_request_upstream(fleet, nc):
+    client, subjects = fleet
+    finished, changed = await _finished_events(nc, subjects)
+    streams = [await client.submit(spec(tenant="acme", pool="p", prompt="hi",
+                                        max_tokens=4000, expected_output_tokens=4000))
+               for _ in range(4)]
+    # Every one is running on the worker. Keep the iterators: a dropped one finalises
+    # and forgets its stream.
+    iters = [s.__aiter__() for s in streams]
+    for it in iters:
+        await asyncio.wait_for(it.__anext__(), 15)
+    ids = {s.request_id for s in streams}
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await client.close()
+    await _wait_for(changed, lambda: ids <= finished.keys(), 5)
+    assert loop.time() - t0 < 1.5
+    assert all(finished[i].usage is None or finished[i].usage.completion_tokens < 4000
+               for i in ids)
+
+
+async def test_silent_stream_with_no_dispatcher_ends_with_stream_lost(nc, uid):
+    subjects = Subjects(f"t{uid}")
+    client = FairlaneClient(nc, prefix=subjects.prefix, silence_s=0.2, max_silence_s=1.0)
+    await client.start()
+    try:
+        stream = await client.submit(spec(tenant="acme", pool="nobody", tier="standard",
+                                          prompt="hi", max_tokens=4))
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(stream.collect(), 10)
+        assert err.value.code is ErrorCode.STREAM_LOST and err.value.retryable
+        assert client.num_open_streams == 0
+    finally:
+        await client.close()
+
+
+async def test_retry_with_same_id_after_worker_lost_is_served(fleet, nc):
+    client, subjects = fleet
+    finished, changed = await _finished_events(nc, subjects)
+    first = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=20,
+                                     expected_output_tokens=20))
+    rid = first.request_id
+    it = first.__aiter__()
+    await asyncio.wait_for(it.__anext__(), 15)
+    # The dispatcher's verdict when a started request's worker is gone.
+    lost = TokenChunk(request_id=rid, seq=10_000,
+                      error=ErrorInfo.of(ErrorCode.WORKER_LOST, "worker gone (test)"))
+    await nc.publish(f"{client.inbox}.{rid}", encode(lost))
+    with pytest.raises(RequestError) as err:
+        await asyncio.wait_for(it.__anext__(), 10)
+    assert err.value.code is ErrorCode.WORKER_LOST
+    await _wait_for(changed, lambda: rid in finished, 15)  # attempt 0 is over
+    again = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=20,
+                                     expected_output_tokens=20, request_id=rid))
+    assert again.attempt == 1
+    done = await asyncio.wait_for(again.collect(), 20)
+    assert done.finish_reason == "length" and done.usage.completion_tokens == 20
+
+
+async def test_a_long_queued_stream_is_vouched_for_by_the_dispatcher(nats_server, nc, uid):
+    """No worker: the request waits in the dispatcher far past the client's silence
+    bound; the dispatcher's status answer ("queued") keeps the stream open."""
+    subjects = Subjects(f"t{uid}")
+    dispatcher = Dispatcher(
+        DispatcherSettings(nats_url=nats_server.url, prefix=subjects.prefix, pool="p"),
+        SchedulerConfig(policy="drr"),
+    )
+    await dispatcher.start()
+    client = FairlaneClient(nc, prefix=subjects.prefix, silence_s=0.2, max_silence_s=1.0)
+    await client.start()
+    try:
+        stream = await client.submit(spec(tenant="acme", pool="p", tier="standard", prompt="hi"))
+        await asyncio.sleep(2.5)  # 2.5x max_silence_s without a chunk: the point here
+        assert not stream.is_done and stream.failure is None
+        status = await client.request_status("p", stream.request_id, "acme")
+        assert status is not None and status.state == "queued"
+    finally:
+        await client.close()
+        await dispatcher.stop()
