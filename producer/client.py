@@ -232,7 +232,7 @@ class FairlaneClient:
             await asyncio.sleep(tick_s)
             now = loop.time()
             silent = [s for s in self._streams.values()
-                      if not s._done and s.failure is None
+                      if not s._done and s.failure is None and not s._ended_upstream
                       and now - s._last_chunk_s >= self.silence_s]
             if silent:
                 await asyncio.gather(*(self._check_silent(s, now) for s in silent),

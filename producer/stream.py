@@ -60,6 +60,8 @@ class RequestStream:
     _last_chunk_s: float = 0.0
     # Monotonic s since which no chunk came and no dispatcher vouched (None: vouched).
     _unvouched_since_s: float | None = None
+    # Its last chunk (finish or error) has arrived, read or not: nothing to watch for.
+    _ended_upstream: bool = False
 
     @property
     def is_done(self) -> bool:
@@ -81,6 +83,8 @@ class RequestStream:
             return
         self._last_chunk_s = asyncio.get_running_loop().time()
         self._unvouched_since_s = None
+        if chunk.is_last:
+            self._ended_upstream = True
         try:
             self._queue.put_nowait(chunk)
         except asyncio.QueueFull:

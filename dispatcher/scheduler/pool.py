@@ -115,7 +115,7 @@ class PoolCore:
             # Maybe a worker already runs it: decide once heartbeats had their chance.
             self._deferred[req.request_id] = req
             return [Hold(req)]
-        return self._admit(req, now_ms)
+        return self._remember(self._admit(req, now_ms), now_ms)
 
     def _admit(self, req: QueuedRequest, now_ms: float) -> list[Action]:
         listed = self.scheduler.config.tenants.get(req.tenant)

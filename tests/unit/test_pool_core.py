@@ -238,3 +238,15 @@ def test_a_repeat_of_an_ended_attempt_is_answered_not_run_and_a_new_attempt_runs
     assert "attempt 1" in send.message and isinstance(term, Term)
     assert _kinds(core.submit(_req("a", attempt=1), 5)) == ["Hold"]  # a deliberate retry
     assert _dispatch(core, "w1", 6) == ["a"]
+
+
+def test_status_of_a_request_refused_at_admission_says_why():
+    from fairlane.protocol import RequestState
+
+    core = _core(tenants={"acme": TenantConfig("acme", max_queued=1)})
+    core.submit(_req("a", tenant="acme"), 0)
+    send, _ = core.submit(_req("b", tenant="acme"), 0)
+    assert send.code is ErrorCode.QUEUE_FULL
+    st = core.status("b", 1)
+    assert st.state is RequestState.ENDED and st.error.code is ErrorCode.QUEUE_FULL
+    assert core.status("a", 1).state is RequestState.QUEUED
