@@ -79,4 +79,13 @@ def duplicate_action(status: RequestStatus | None, attempt: int,
         return Action.FAIL, ErrorInfo.of(
             ErrorCode.DUPLICATE, f"request id already submitted by another client: "
             f"state {status.state}, attempt {status.attempt}")
+    if (status.state == RequestState.ENDED and status.attempt >= attempt
+            and (status.error is None or not status.error.retryable)):
+        # Finished (or failed for good) inside the dedupe window: answer, never run twice.
+        how = (f"failed with {status.error.code}" if status.error is not None
+               else "finished")
+        return Action.FAIL, ErrorInfo.of(
+            ErrorCode.DUPLICATE, f"request id already {how} (attempt {status.attempt}); "
+            "use a new request id to generate again")
+    # Ended with a retryable failure, or unknown: deduped but not live, run it anew.
     return Action.REPUBLISH, None

@@ -154,3 +154,28 @@ async def test_a_long_queued_stream_is_vouched_for_by_the_dispatcher(nats_server
     finally:
         await client.close()
         await dispatcher.stop()
+
+
+async def test_resubmitting_a_finished_request_id_is_answered_not_generated_twice(fleet, nc):
+    client, subjects = fleet
+    started: list[str] = []
+
+    async def on_evt(msg) -> None:
+        try:
+            evt = decode_event(msg.data)
+        except Exception:  # noqa: BLE001 - other event kinds: not ours
+            return
+        if type(evt).__name__ == "Started":
+            started.append(evt.request_id)
+
+    await nc.subscribe(subjects.events("p"), cb=on_evt)
+    first = await client.submit(spec(tenant="acme", pool="p", tier="standard", prompt="hi",
+                                     max_tokens=4, request_id="same-id-1"))
+    assert (await asyncio.wait_for(first.collect(), 20)).finish_reason == "length"
+    with pytest.raises(RequestError) as err:
+        again = await client.submit(spec(tenant="acme", pool="p", tier="standard",
+                                         prompt="hi", max_tokens=4, request_id="same-id-1"))
+        await asyncio.wait_for(again.collect(), 20)
+    assert err.value.code is ErrorCode.DUPLICATE and "finished" in err.value.message
+    await nc.flush()
+    assert started.count("same-id-1") == 1

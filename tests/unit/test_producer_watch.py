@@ -55,10 +55,19 @@ def test_duplicate_of_another_clients_live_request_fails_with_status(state: str)
     assert err.code is ErrorCode.DUPLICATE and state in err.message
 
 
-@pytest.mark.parametrize("state", ["ended", "unknown"])
 @pytest.mark.parametrize("ours", [True, False])
-def test_duplicate_of_a_request_that_is_not_live_republishes(state: str, ours: bool) -> None:
-    assert duplicate_action(st(state), 0, ours=ours) == (Action.REPUBLISH, None)
+def test_duplicate_of_an_unknown_or_retryably_failed_request_republishes(ours: bool) -> None:
+    assert duplicate_action(st("unknown"), 0, ours=ours) == (Action.REPUBLISH, None)
+    lost = ErrorInfo.of(ErrorCode.WORKER_LOST, "gone")
+    assert duplicate_action(st("ended", error=lost), 0, ours=ours) == (Action.REPUBLISH, None)
+
+
+@pytest.mark.parametrize("ours", [True, False])
+@pytest.mark.parametrize("error", [None, ErrorInfo.of(ErrorCode.INVALID_REQUEST, "bad")])
+def test_duplicate_of_a_finished_request_is_answered_never_run_twice(ours, error) -> None:
+    action, err = duplicate_action(st("ended", error=error), 0, ours=ours)
+    assert action is Action.FAIL and err.code is ErrorCode.DUPLICATE
+    assert "finished" in err.message or "invalid_request" in err.message
 
 
 def test_duplicate_live_older_attempt_republishes() -> None:
