@@ -28,6 +28,8 @@ from enum import StrEnum
 
 import structlog
 
+from fairlane.runtime import cancel_and_wait
+
 log = structlog.get_logger("fairlane.dispatcher.leader")
 
 
@@ -130,9 +132,7 @@ class LeaderLease:
     async def stop(self) -> None:
         """Graceful: release the key so a standby takes over at once."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait(self._task)
         if self.machine.role is Role.LEADER:
             with contextlib.suppress(Exception):
                 await self._kv.delete(self.key, last=self.machine.revision)

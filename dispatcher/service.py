@@ -51,7 +51,7 @@ from fairlane.protocol import (
     encode,
     peek_reply_fields,
 )
-from fairlane.runtime import log_nats_error, mono_ms, now_ms
+from fairlane.runtime import cancel_and_wait, log_nats_error, mono_ms, now_ms
 from fairlane.streams import ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
 from fairlane.tenants import TenantsWatcher, resolve_pool_config
@@ -177,9 +177,7 @@ class Dispatcher:
         self._stopping = True
         if self.lease is not None:  # release first: a standby takes over, gets the naks below
             await self.lease.stop()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(t) for t in self._tasks))
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

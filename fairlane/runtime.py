@@ -26,13 +26,21 @@ def mono_ms() -> float:
     return time.monotonic_ns() / 1e6
 
 
-async def cancel_and_wait(task: asyncio.Task | None) -> None:
-    """Cancel a background task and wait until it has really stopped."""
+async def cancel_and_wait(task: asyncio.Task | None, retry_s: float = 0.5) -> None:
+    """Cancel a background task and wait until it has really stopped.
+
+    Cancels again every `retry_s`: on Python 3.11 an `asyncio.wait_for` (nats-py's
+    fetch and request use it) can swallow a cancellation, and a loop around such an
+    await would then run on and a single cancel-then-await would hang forever.
+    """
     if task is None:
         return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=retry_s)
+    if not task.cancelled():
+        with contextlib.suppress(Exception):
+            task.exception()  # retrieved: no "exception never retrieved" noise
 
 
 async def log_nats_error(exc: Exception) -> None:

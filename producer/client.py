@@ -46,7 +46,7 @@ from fairlane.protocol import (
     encode,
 )
 from fairlane.ratelimit import RateLimiter, RateLimits
-from fairlane.runtime import log_nats_error, now_ms
+from fairlane.runtime import cancel_and_wait, log_nats_error, now_ms
 from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
@@ -158,9 +158,7 @@ class FairlaneClient:
 
     async def close(self) -> None:
         if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+            await cancel_and_wait(self._watchdog)
             self._watchdog = None
         # Cancel upstream first, so no GPU work continues for a closed client.
         open_streams = list(self._streams.values())
