@@ -146,6 +146,9 @@ class Dispatcher:
             self.subjects.status(s.pool), queue="dispatchers", cb=partial(answer_status, self)))
         self._tasks.append(asyncio.create_task(self._match_loop()))
         self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
+        # Ready = reachable: the server has our subscriptions (a pull on another
+        # connection right after a takeover would otherwise find no responders).
+        await self.nc.flush(timeout=5)
         self.ready.set()
         log.info("dispatcher_started", pool=s.pool, policy=self.scheduler.config.policy,
                  tiers=[t.name for t in self.scheduler.config.tiers])
