@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fairlane.protocol import InferenceRequest, SamplingParams
@@ -43,3 +45,39 @@ def spec(**fields: Any) -> RequestSpec:
 def request(**fields: Any) -> InferenceRequest:
     """An `InferenceRequest` from flat keywords (``max_tokens=4`` goes into ``sampling``)."""
     return InferenceRequest(**_nest_sampling(fields))
+
+
+@contextlib.asynccontextmanager
+async def in_process_fleet(nats_url: str, nc: Any, uid: str, *, time_scale: float,
+                           pool: str = "p") -> AsyncIterator[tuple[Any, Any]]:
+    """A dispatcher, one simulated worker and a producer client in this event loop,
+    on their own subject prefix; yields (client, subjects). Stops all of it after."""
+    from dispatcher.config import DispatcherSettings
+    from dispatcher.service import Dispatcher
+    from fairlane.poolconfig import SchedulerConfig
+    from fairlane.subjects import Subjects
+    from gpu_worker.config import WorkerSettings
+    from gpu_worker.engines import make_engine
+    from gpu_worker.service import Worker
+    from producer.client import FairlaneClient
+
+    subjects = Subjects(f"t{uid}")
+    dispatcher = Dispatcher(
+        DispatcherSettings(nats_url=nats_url, prefix=subjects.prefix, pool=pool),
+        SchedulerConfig(policy="drr"),
+    )
+    await dispatcher.start()
+    ws = WorkerSettings(nats_url=nats_url, prefix=subjects.prefix, pool=pool,
+                       worker_id=f"w-{uid}", time_scale=time_scale, max_num_seqs=8,
+                       heartbeat_ms=200)
+    stop = asyncio.Event()
+    worker_task = asyncio.create_task(Worker(ws, make_engine(ws)).run(stop))
+    client = FairlaneClient(nc, prefix=subjects.prefix)
+    await client.start()
+    try:
+        yield client, subjects
+    finally:
+        await client.close()
+        stop.set()
+        assert await asyncio.wait_for(worker_task, 30) == 0
+        await dispatcher.stop()

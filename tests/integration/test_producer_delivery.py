@@ -20,35 +20,16 @@ from fairlane.protocol import (
     encode,
 )
 from fairlane.subjects import Subjects
-from gpu_worker.config import WorkerSettings
-from gpu_worker.engines import make_engine
-from gpu_worker.service import Worker
 from producer.client import FairlaneClient, RequestError
-from tests.helpers import spec
+from tests.helpers import in_process_fleet, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 @pytest.fixture
 async def fleet(nats_server, nc, uid):
-    subjects = Subjects(f"t{uid}")
-    dispatcher = Dispatcher(
-        DispatcherSettings(nats_url=nats_server.url, prefix=subjects.prefix, pool="p"),
-        SchedulerConfig(policy="drr"),
-    )
-    await dispatcher.start()
-    ws = WorkerSettings(nats_url=nats_server.url, prefix=subjects.prefix, pool="p",
-                       worker_id=f"w-{uid}", time_scale=1.0, max_num_seqs=8,
-                       heartbeat_ms=200)
-    stop = asyncio.Event()
-    worker_task = asyncio.create_task(Worker(ws, make_engine(ws)).run(stop))
-    client = FairlaneClient(nc, prefix=subjects.prefix)
-    await client.start()
-    yield client, subjects
-    await client.close()
-    stop.set()
-    assert await asyncio.wait_for(worker_task, 30) == 0
-    await dispatcher.stop()
+    async with in_process_fleet(nats_server.url, nc, uid, time_scale=1.0) as f:
+        yield f
 
 
 async def _finished_events(nc, subjects: Subjects) -> tuple[dict[str, Finished], asyncio.Event]:
