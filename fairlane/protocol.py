@@ -64,6 +64,23 @@ class SamplingParams(Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
 
 
+class Continuation(Struct, kw_only=True, omit_defaults=True):
+    """Where a request resumes: the output its client already received (DESIGN.md 5b).
+
+    Set on an `InferenceRequest` that continues an earlier run of the same request:
+    preempted by the dispatcher to free a slot for a tenant below its fair share, or
+    resubmitted by the client library after the worker running it died. The engine
+    re-prefills prompt + ``generated_token_ids`` (cheap where its prefix cache still
+    holds them), generates at most ``sampling.max_tokens - len(generated_token_ids)``
+    more, and the worker numbers its chunks from ``next_seq``, so the client's stream
+    just continues: no duplicate, no gap, no error.
+    """
+
+    generated_token_ids: list[int] = []
+    next_seq: int = 0  # seq of the first chunk the resumed run sends
+    num_preemptions: int = 0  # times this request was preempted so far
+
+
 class InferenceRequest(Struct, kw_only=True, omit_defaults=True):
     """One generation request, published to ``fl.req.<pool>.<tier>.<tenant>``.
 
@@ -92,6 +109,8 @@ class InferenceRequest(Struct, kw_only=True, omit_defaults=True):
     # is `request_id` for attempt 0 and `request_id.attempt` after, and the dispatcher
     # answers a repeat of an ended attempt with its status instead of generating again.
     attempt: int = 0
+    # A continuation of an earlier run (preemption or migration): None = from scratch.
+    resume: Continuation | None = None
 
 
 class WorkItem(Struct, kw_only=True, omit_defaults=True):
@@ -234,9 +253,34 @@ class HeartbeatAck(Struct, kw_only=True, omit_defaults=True):
     # new incarnation.
     known: bool = True
     epoch: int = 0  # the answering dispatcher's lease epoch
+    # After how long without a heartbeat the dispatcher declares a worker lost: the
+    # worker stops publishing for its work before that (its lease), 0 = not told.
+    worker_timeout_ms: int = 0
 
 
-WorkerEvent = Started | Finished | Requeue | Heartbeat
+class Preempted(Struct, tag="preempted", kw_only=True, omit_defaults=True):
+    """Worker -> dispatcher: it stopped a running request on the dispatcher's `Preempt`
+    and hands back where it stands. The dispatcher queues the continuation at the front
+    of the tenant's queue; the client sees a pause, then the next ``seq``."""
+
+    request_id: str
+    worker_id: str
+    resume: Continuation = msgspec.field(default_factory=Continuation)
+    incarnation: str = ""
+    ts_ms: int = 0
+
+
+WorkerEvent = Started | Finished | Requeue | Heartbeat | Preempted
+
+
+class Preempt(Struct, kw_only=True, omit_defaults=True):
+    """Dispatcher -> workers on ``fl.preempt.<pool>``: stop this request and report
+    `Preempted` (the worker running it acts; others ignore it)."""
+
+    request_id: str
+    worker_id: str
+    epoch: int = 0  # the leader's lease epoch: a deposed leader's order is ignored
+
 
 
 class Cancel(Struct, kw_only=True, omit_defaults=True):
@@ -325,6 +369,7 @@ decode_work_batch = _Decoder(WorkBatch, "WorkBatch")
 decode_chunk = _Decoder(TokenChunk, "TokenChunk")
 decode_event = _Decoder(WorkerEvent, "WorkerEvent")
 decode_cancel = _Decoder(Cancel, "Cancel")
+decode_preempt = _Decoder(Preempt, "Preempt")
 decode_usage = _Decoder(Usage, "Usage")
 decode_pool_info_request = _Decoder(PoolInfoRequest, "PoolInfoRequest")
 decode_pool_info = _Decoder(PoolInfo, "PoolInfo")

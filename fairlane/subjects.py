@@ -75,6 +75,9 @@ class Subjects:
     def cancel(self, pool: str) -> str:
         return f"{self.prefix}.cancel.{check_id('pool', pool)}"
 
+    def preempt(self, pool: str) -> str:
+        return f"{self.prefix}.preempt.{check_id('pool', pool)}"
+
     def status(self, pool: str) -> str:
         return f"{self.prefix}.status.{check_id('pool', pool)}"
 
