@@ -3,6 +3,9 @@
     fairlane up                  # nats-server, redis, dispatcher, simulated workers, streamer
     fairlane up --workers 4 --engine vllm --model /models/llama
     fairlane hash-key sk-...     # the value to put in a tenants file's api_keys
+    fairlane usage --since -24h --format csv     # usage totals per tenant from FL_USAGE
+    fairlane tenants check tenants.yaml          # validate a tenants file as the fleet does
+    fairlane tenants schema                      # the tenants file's JSON Schema
 
 `up` runs every part as a child process of its own and stops all of them on Ctrl-C
 or SIGTERM (SIGTERM, then SIGKILL after a grace period). Children also get SIGTERM
@@ -339,9 +342,24 @@ def cmd_hash_key(argv: list[str]) -> int:
     return 0
 
 
+def cmd_usage(argv: list[str]) -> int:
+    from fairlane.usage_export import cmd_usage as run
+
+    return run(argv)
+
+
+def cmd_tenants(argv: list[str]) -> int:
+    from fairlane.tenants_tool import cmd_tenants as run
+
+    return run(argv)
+
+
 COMMANDS = {
     "up": (cmd_up, "run the whole fleet on this machine (fairlane up --help)"),
     "hash-key": (cmd_hash_key, "print the hash of an API key, for a tenants file"),
+    "usage": (cmd_usage, "export per-tenant usage totals for a period, as CSV or JSON"),
+    "tenants": (cmd_tenants, "check a tenants file (tenants check FILE) or print its "
+                             "JSON Schema (tenants schema)"),
 }
 
 

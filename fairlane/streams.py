@@ -39,16 +39,30 @@ class StreamSettings(msgspec.Struct, kw_only=True):
     stream_replicas: int | None = None  # JetStream replicas of both streams (3 in a cluster)
     requests_max_age_s: float | None = None  # FL_REQUESTS: oldest request kept; 0 = no limit
     requests_max_bytes: int | None = None  # FL_REQUESTS: size cap in bytes; -1 = no limit
-    usage_max_age_s: float | None = None  # FL_USAGE: how long usage records are kept
-    usage_max_bytes: int | None = None  # FL_USAGE: size cap in bytes; -1 = no limit
+    usage_max_age_s: float | None = None  # FL_USAGE: how long records are kept (default 90 days)
+    # FL_USAGE: size cap in bytes; -1 = no limit (the default: NATS reserves a stream's
+    # whole byte cap on disk when the stream is created, see USAGE_MAX_MSGS)
+    usage_max_bytes: int | None = None
+    # FL_USAGE: most records kept, the oldest dropped first (default 20 million)
+    usage_max_msgs: int | None = None
 
 
 # Built-in values for a stream being created, where a setting is None.
 _REQUESTS_DEFAULTS: dict[str, Any] = dict(
     max_msgs_per_subject=100_000, duplicate_window=120.0, num_replicas=1, max_age=0.0,
     max_bytes=-1)
+# FL_USAGE is bounded by default, by age and by record count, dropping the oldest
+# records first. 90 days: a monthly billing export still finds the whole previous month
+# when it runs late. The count, not a byte cap, bounds its size because nats-server
+# reserves a stream's `max_bytes` on disk up front: a 10 GiB cap refuses to create the
+# stream on a laptop with less free space, and a test server with a stream per test
+# prefix runs out after a handful. A record is ~300 bytes (at most ~700 with 64-char
+# ids), so 20 million records are ~6 GiB (at most ~14 GiB).
+USAGE_MAX_AGE_S = 90 * _DAY_S
+USAGE_MAX_MSGS = 20_000_000
 _USAGE_DEFAULTS: dict[str, Any] = dict(
-    duplicate_window=120.0, num_replicas=1, max_age=30 * _DAY_S, max_bytes=-1)
+    duplicate_window=120.0, num_replicas=1, max_age=USAGE_MAX_AGE_S, max_bytes=-1,
+    max_msgs=USAGE_MAX_MSGS)
 
 
 def _asked_requests(s: StreamSettings) -> dict[str, Any]:
@@ -60,7 +74,8 @@ def _asked_requests(s: StreamSettings) -> dict[str, Any]:
 
 def _asked_usage(s: StreamSettings) -> dict[str, Any]:
     asked = dict(duplicate_window=s.duplicate_window_s, num_replicas=s.stream_replicas,
-                 max_age=s.usage_max_age_s, max_bytes=s.usage_max_bytes)
+                 max_age=s.usage_max_age_s, max_bytes=s.usage_max_bytes,
+                 max_msgs=s.usage_max_msgs)
     return {k: v for k, v in asked.items() if v is not None}
 
 
@@ -82,6 +97,8 @@ def usage_config(subjects: Subjects, s: StreamSettings) -> StreamConfig:
         subjects=[subjects.usage_all()],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
+        # At a bound the oldest records go (the metering of new work never stops).
+        discard=DiscardPolicy.OLD,
         # The duplicate window makes one usage record per request id.
         **{**_USAGE_DEFAULTS, **_asked_usage(s)},
     )
