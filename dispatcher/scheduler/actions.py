@@ -13,6 +13,12 @@ Message settlement, in one table (DESIGN.md section 4):
 | `Ack` | ack: never redeliver | started, or finished/failed (never replay) |
 | `Term` | term: never redeliver | refused, expired, shed, cancelled while queued |
 | `Nak` | nak: redeliver now | shutdown: queued work goes back to JetStream |
+| `Defer` | nak with a delay: redeliver later | a redelivery during the restart grace |
+
+`CheckStarted` settles nothing: it asks the shell whether a worker already acked the
+request's message (a WorkQueue stream deletes it then), the one record of "started"
+that survives lost events and broker restarts; the shell answers with
+`PoolCore.on_start_checked`.
 """
 
 from __future__ import annotations
@@ -49,6 +55,25 @@ class Nak:
 
 
 @dataclass(slots=True, frozen=True)
+class Defer:
+    """Hand the message back to JetStream for redelivery after `delay_ms`: a request
+    redelivered during the restart grace. Not held, so a crash during the grace does
+    not park it for another ``ack_wait`` (a crash loop would otherwise stack them)."""
+
+    request: QueuedRequest
+    delay_ms: float
+
+
+@dataclass(slots=True, frozen=True)
+class CheckStarted:
+    """Did a worker start this request (ack its JetStream message) although no Started
+    event says so? Answer with `PoolCore.on_start_checked(request_id, started, now)`."""
+
+    request: QueuedRequest
+    reason: str  # worker_lost | reconciled
+
+
+@dataclass(slots=True, frozen=True)
 class SendError:
     """Tell the client, on the request's reply subject, why it ended."""
 
@@ -82,7 +107,8 @@ class Released:
     num_requests: int
 
 
-Action = Hold | Ack | Term | Nak | SendError | Requeued | Adopted | Released
+Action = (Hold | Ack | Term | Nak | Defer | CheckStarted | SendError | Requeued | Adopted
+          | Released)
 
 
 def refuse(req: QueuedRequest, code: ErrorCode, message: str,

@@ -8,14 +8,23 @@ reconciliation against heartbeats, adoption after a restart, what to ack, term o
 nak — is made in this module, testable without NATS and without a clock.
 
 Recovery rules (DESIGN.md section 4):
-- a worker silent past `worker_timeout_ms` is lost: its unstarted requests go back to
-  the front of their tenants' queues; its started ones end with a retryable
-  `worker_lost` (and their messages are acked: never replayed from scratch);
+- a worker silent past `worker_timeout_ms`, or replaced by a new incarnation under the
+  same id (a restart), is lost: its unstarted requests go back to the front of their
+  tenants' queues; its started ones end with a retryable `worker_lost` (and their
+  messages are acked: never replayed from scratch). Its incarnation is remembered: if
+  it was only stalled, its next heartbeat is answered "unknown" and it fences itself;
+- "started" is whatever says so first: the Started event, the heartbeat's
+  `started_ids`, or — when both may be lost (broker restart) — the request's JetStream
+  message being gone (the worker acks it at the first token). Before anything not
+  known to have started is requeued, the shell checks that (`CheckStarted`), so a lost
+  event never turns started work into a second generation;
 - a live worker that no longer reports a request it was given: unstarted → requeue
   (the WorkBatch reply was lost); started → finished (the Finished event was lost), so
   a tenant's quota never leaks;
 - after a (re)start, redelivered requests wait one worker timeout (the *grace*), long
-  enough for every live worker to heartbeat what it runs; reported ones are adopted
+  enough for every live worker to heartbeat what it runs; they are handed back to
+  JetStream with a delay instead of held, so a crash during the grace does not park
+  them for another ``ack_wait``. A redelivery that a live worker reports is adopted
   as in flight instead of being dispatched a second time.
 """
 
@@ -30,6 +39,8 @@ from dispatcher.scheduler.actions import (
     Ack,
     Action,
     Adopted,
+    CheckStarted,
+    Defer,
     Hold,
     Nak,
     Released,
@@ -75,14 +86,15 @@ class PoolCore:
     # a repeat of the same attempt is answered with its status, never run again.
     ended_ttl_ms = 120_000.0
     max_ended = 200_000  # bound on that memory (oldest forgotten first)
+    defer_margin_ms = 250.0  # a deferred redelivery comes back this long after the grace
 
     def __init__(self, scheduler: Scheduler, worker_timeout_ms: float) -> None:
         self.scheduler = scheduler
         self.workers = WorkerRegistry(worker_timeout_ms)
         self._ended: OrderedDict[str, _Ended] = OrderedDict()
         self._grace_until_ms = 0.0
-        self._deferred: dict[str, QueuedRequest] = {}  # redeliveries held during grace
-        self._reported: dict[str, str] = {}  # request id -> worker, heartbeats in grace
+        self._deferred: dict[str, QueuedRequest] = {}  # redeliveries handed back in grace
+        self._checking: dict[str, str] = {}  # request id -> why its start is being checked
 
     # --- restart grace -----------------------------------------------------------------
 
@@ -101,9 +113,19 @@ class PoolCore:
     def submit(self, req: QueuedRequest, now_ms: float, redelivered: bool = False) -> list[Action]:
         """A decoded, checked request from JetStream. Returns [Hold] if it waits here,
         the refusal actions if not, [] for a duplicate of one already known."""
+        if redelivered and self.in_grace(now_ms) and (
+                req.request_id in self._deferred or not self.scheduler.is_known(req.request_id)):
+            # Maybe a worker already runs it: decide once heartbeats had their chance.
+            # Handed back, not held: a crash now must not park it for ack_wait again.
+            self._deferred[req.request_id] = req
+            return [Defer(req, self._grace_until_ms - now_ms + self.defer_margin_ms)]
         if self.is_known(req.request_id):
             return []
         ended = self._ended_entry(req.request_id, now_ms)
+        if ended is not None and req.attempt <= ended.attempt and redelivered:
+            # We ended it, but its message came back (a settle was lost): the client
+            # already has its answer.
+            return [Term(req, "ended")]
         if ended is not None and req.attempt <= ended.attempt:
             # A repeat that escaped JetStream's dedupe (published without Nats-Msg-Id,
             # or by another client): answer with its status, never generate twice.
@@ -111,10 +133,6 @@ class PoolCore:
             return refuse(req, ErrorCode.DUPLICATE,
                           f"attempt {ended.attempt} of request {req.request_id} already "
                           f"{how}; submit attempt {ended.attempt + 1} to run it again")
-        if redelivered and self.in_grace(now_ms):
-            # Maybe a worker already runs it: decide once heartbeats had their chance.
-            self._deferred[req.request_id] = req
-            return [Hold(req)]
         return self._remember(self._admit(req, now_ms), now_ms)
 
     def _admit(self, req: QueuedRequest, now_ms: float) -> list[Action]:
@@ -130,7 +148,7 @@ class PoolCore:
             assert verdict.code is not None
             return refuse(req, verdict.code, verdict.message, verdict.retry_after_ms)
         out: list[Action] = [Hold(req)]
-        worker_id = self._reported.get(req.request_id)
+        worker_id = self.workers.reporter_of(req.request_id)
         if worker_id is not None:  # a worker already runs it (we restarted)
             out.extend(self._adopt(req.request_id, worker_id, now_ms))
         return out
@@ -174,19 +192,55 @@ class PoolCore:
             self._ended.popitem(last=False)
         return actions
 
+    # --- worker contact ----------------------------------------------------------------
+
+    def contact(self, worker_id: str, incarnation: str, now_ms: float) -> tuple[bool, list[Action]]:
+        """Every message from a worker passes here first: (known, actions).
+
+        Not known: an incarnation declared lost (a stalled or partitioned process that
+        came back); its messages are ignored and its heartbeat is answered "unknown",
+        so it fences itself. A new incarnation under a registered id is a restart: the
+        old process's work is lost now, not after a timeout (its successor would
+        otherwise heartbeat under the old id and hide that loss)."""
+        if self.workers.is_lost(incarnation):
+            return False, []
+        out: list[Action] = []
+        old = self.workers.replaced(worker_id, incarnation)
+        if old is not None:
+            self.workers.remove(worker_id)
+            out = self._worker_lost(old, now_ms)
+        w = self.workers.seen(worker_id, now_ms)
+        if incarnation:
+            w.incarnation = incarnation
+        return True, self._remember(out, now_ms)
+
+    def knows(self, incarnation: str) -> bool:
+        return not self.workers.is_lost(incarnation)
+
+    def on_reconnected(self, now_ms: float) -> None:
+        """This dispatcher was cut off from NATS: no worker could reach it, so their
+        silence proves nothing. Each gets a full timeout from now."""
+        self.workers.refresh_all(now_ms)
+
     # --- pulls -------------------------------------------------------------------------
 
-    def on_pull(self, worker_id: str, free_kv_tokens: int, now_ms: float) -> None:
-        w = self.workers.seen(worker_id, now_ms)
-        w.kv_tokens_total = max(w.kv_tokens_total, free_kv_tokens)
+    def on_pull(self, worker_id: str, free_kv_tokens: int, now_ms: float,
+                incarnation: str = "") -> list[Action]:
+        known, out = self.contact(worker_id, incarnation, now_ms)
+        if known:
+            w = self.workers.workers[worker_id]
+            w.kv_tokens_total = max(w.kv_tokens_total, free_kv_tokens)
+        return out
 
-    def is_alive(self, worker_id: str) -> bool:
-        return worker_id in self.workers.workers
+    def is_alive(self, worker_id: str, incarnation: str = "") -> bool:
+        w = self.workers.workers.get(worker_id)
+        return w is not None and (not incarnation or not w.incarnation
+                                  or w.incarnation == incarnation)
 
     def select(self, worker_id: str, max_items: int, now_ms: float,
-               free_kv_tokens: int | None = None) -> list[Dispatch]:
+               free_kv_tokens: int | None = None, incarnation: str = "") -> list[Dispatch]:
         """Work for one pulling worker; nothing for a worker declared lost since."""
-        if not self.is_alive(worker_id) or not self.scheduler.num_queued:
+        if not self.is_alive(worker_id, incarnation) or not self.scheduler.num_queued:
             return []
         out = self.scheduler.select(max_items, now_ms, free_kv_tokens)
         for d in out:
@@ -195,34 +249,47 @@ class PoolCore:
 
     # --- worker events -----------------------------------------------------------------
 
-    def on_started(self, request_id: str, worker_id: str, now_ms: float) -> list[Action]:
-        self.workers.seen(worker_id, now_ms)
-        if not self.scheduler.on_started(request_id, now_ms):
+    def on_started(self, request_id: str, worker_id: str, now_ms: float,
+                   incarnation: str = "") -> list[Action]:
+        known, out = self.contact(worker_id, incarnation, now_ms)
+        if not known:
+            return out
+        return out + self._mark_started(request_id)
+
+    def _mark_started(self, request_id: str) -> list[Action]:
+        if self.scheduler.is_started(request_id) or not self.scheduler.on_started(request_id, 0):
             return []
         req = self.scheduler.in_flight_request(request_id)
         assert req is not None
         return [Ack(req, "started")]
 
     def on_finished(self, request_id: str, worker_id: str, usage: ActualUsage | None,
-                    now_ms: float) -> list[Action]:
-        self.workers.seen(worker_id, now_ms)
-        return self._remember(self._finish(request_id, usage, now_ms, "finished"), now_ms)
+                    now_ms: float, incarnation: str = "") -> list[Action]:
+        known, out = self.contact(worker_id, incarnation, now_ms)
+        if not known:
+            return out
+        return out + self._remember(self._finish(request_id, usage, now_ms, "finished"), now_ms)
 
     def _finish(self, request_id: str, usage: ActualUsage | None, now_ms: float,
                 reason: str) -> list[Action]:
         self.workers.unassign(request_id)
+        self._checking.pop(request_id, None)
         req = self.scheduler.on_finished(request_id, usage, now_ms)
         # Finished without Started (it failed before its first token and the client has
         # its error) is settled the same way: done either way, never replayed.
         return [Ack(req, reason)] if req is not None else []
 
-    def on_handed_back(self, request_id: str, worker_id: str, now_ms: float) -> list[Action]:
+    def on_handed_back(self, request_id: str, worker_id: str, now_ms: float,
+                       incarnation: str = "") -> list[Action]:
         """The worker returns a request it accepted but never started (drain, no room)."""
-        self.workers.seen(worker_id, now_ms)
-        return self._requeue(request_id, now_ms, "handed_back")
+        known, out = self.contact(worker_id, incarnation, now_ms)
+        if not known:
+            return out
+        return out + self._requeue(request_id, now_ms, "handed_back")
 
     def _requeue(self, request_id: str, now_ms: float, reason: str) -> list[Action]:
         self.workers.unassign(request_id)
+        self._checking.pop(request_id, None)
         req = self.scheduler.in_flight_request(request_id)
         if req is None or not self.scheduler.requeue(request_id, now_ms):
             return []
@@ -230,16 +297,20 @@ class PoolCore:
 
     def on_heartbeat(self, worker_id: str, in_flight_ids: Iterable[str], now_ms: float, *,
                      interval_ms: float = 1_000.0, draining: bool = False,
-                     load: LoadReport | None = None) -> list[Action]:
-        w = self.workers.seen(worker_id, now_ms)
+                     load: LoadReport | None = None, incarnation: str = "",
+                     started_ids: Iterable[str] = ()) -> list[Action]:
+        known, out = self.contact(worker_id, incarnation, now_ms)
+        if not known:
+            return out
+        w = self.workers.workers[worker_id]
         if load is not None:
             w.num_running, w.num_waiting = load.num_running, load.num_waiting
             w.kv_tokens_used, w.kv_tokens_total = load.kv_tokens_used, load.kv_tokens_total
+        for rid in started_ids:  # its Started event may have been lost
+            if self.workers.worker_of(rid) == worker_id:
+                out.extend(self._mark_started(rid))
         ids = list(in_flight_ids)
-        out: list[Action] = []
         for rid in ids:
-            if self.in_grace(now_ms):
-                self._reported[rid] = worker_id
             # After a restart JetStream redelivers requests a worker already holds:
             # adopt them as in flight instead of dispatching them again.
             if self.scheduler.is_queued(rid):
@@ -250,8 +321,31 @@ class PoolCore:
             if self.scheduler.is_started(rid):
                 out.extend(self._finish(rid, None, now_ms, "reconciled"))
             else:
-                out.extend(self._requeue(rid, now_ms, "reconciled"))
+                out.extend(self._check_started(rid, "reconciled"))
         return self._remember(out, now_ms)
+
+    def _check_started(self, request_id: str, reason: str) -> list[Action]:
+        """Not known to have started: ask JetStream before requeueing (both its
+        Started event and the heartbeat saying so may have been lost)."""
+        self.workers.unassign(request_id)
+        req = self.scheduler.in_flight_request(request_id)
+        if req is None or request_id in self._checking:
+            return []
+        self._checking[request_id] = reason
+        return [CheckStarted(req, reason)]
+
+    def on_start_checked(self, request_id: str, started: bool, now_ms: float) -> list[Action]:
+        """The shell's answer to `CheckStarted`: was the message acked by a worker?"""
+        reason = self._checking.pop(request_id, None)
+        req = self.scheduler.in_flight_request(request_id)
+        if reason is None or req is None:
+            return []  # decided meanwhile (a late Finished, a cancel)
+        if not started:
+            return self._requeue(request_id, now_ms, reason)
+        self.scheduler.on_started(request_id, now_ms)
+        if reason == "reconciled":  # it started and its worker no longer has it: done
+            return self._remember(self._finish(request_id, None, now_ms, reason), now_ms)
+        return self._remember(self._lost_started(req, now_ms), now_ms)
 
     def on_cancel(self, request_id: str, reason: str, now_ms: float) -> list[Action]:
         """Queued: removed and ended. Running (the worker aborts it) or unknown: []."""
@@ -275,32 +369,34 @@ class PoolCore:
         return self._remember(out, now_ms)
 
     def _end_grace(self, now_ms: float) -> list[Action]:
+        """The deferred redeliveries come back from JetStream by themselves; from now
+        on they are admitted (or adopted, if a live worker reports them)."""
         self._grace_until_ms = 0.0
         deferred, self._deferred = self._deferred, {}
-        out: list[Action] = []
-        for req in deferred.values():
-            # Already held: only refusals and adoptions matter now.
-            out.extend(a for a in self._admit(req, now_ms) if not isinstance(a, Hold))
-        self._reported.clear()
-        if deferred:
-            out.append(Released(len(deferred)))
-        return out
+        return [Released(len(deferred))] if deferred else []
 
     def _worker_lost(self, w: WorkerState, now_ms: float) -> list[Action]:
         out: list[Action] = []
-        for rid in w.request_ids:
+        for rid in list(w.request_ids):
+            self.workers.unassign(rid)
             req = self.scheduler.in_flight_request(rid)
-            if req is None:
+            if req is None or rid in self._checking:
                 continue
-            if self.scheduler.requeue(rid, now_ms):
-                out.append(Requeued(req, "worker_lost"))
-                continue
-            self.scheduler.on_finished(rid, None, now_ms)
-            out.append(SendError(req, ErrorCode.WORKER_LOST,
-                                 f"worker {w.worker_id} stopped responding; retry the request"))
-            out.append(Ack(req, "worker_lost"))
+            if self.scheduler.is_started(rid):
+                out.extend(self._lost_started(req, now_ms, w.worker_id))
+            else:
+                self._checking[rid] = "worker_lost"
+                out.append(CheckStarted(req, "worker_lost"))
         return out
+
+    def _lost_started(self, req: QueuedRequest, now_ms: float,
+                      worker_id: str = "") -> list[Action]:
+        self.scheduler.on_finished(req.request_id, None, now_ms)
+        who = f"worker {worker_id}" if worker_id else "its worker"
+        return [SendError(req, ErrorCode.WORKER_LOST,
+                          f"{who} stopped responding after the request started; retry it"),
+                Ack(req, "worker_lost")]
 
     def shutdown(self) -> list[Action]:
         """Queued (not dispatched) work goes straight back to JetStream."""
-        return [Nak(r) for r in (*self._deferred.values(), *self.scheduler.queued())]
+        return [Nak(r) for r in self.scheduler.queued()]

@@ -7,6 +7,8 @@ import pytest
 from dispatcher.scheduler.actions import (
     Ack,
     Adopted,
+    CheckStarted,
+    Defer,
     Hold,
     Nak,
     Released,
@@ -85,14 +87,81 @@ def test_lost_worker_requeues_unstarted_and_fails_started_work():
     core.on_started("a", "w1", 2)
     actions = core.tick(2 + TIMEOUT_MS + 1)
     by_kind = {type(a).__name__: a for a in actions}
-    assert by_kind["Requeued"].request.request_id == "b"
-    assert by_kind["Requeued"].reason == "worker_lost"
     assert by_kind["SendError"].request.request_id == "a"
     assert by_kind["SendError"].code is ErrorCode.WORKER_LOST
     assert by_kind["Ack"].request.request_id == "a"
+    # "b" never said Started, but that event may have been lost: JetStream decides.
+    assert by_kind["CheckStarted"].request.request_id == "b"
+    (requeued,) = core.on_start_checked("b", False, TIMEOUT_MS + 4)
+    assert isinstance(requeued, Requeued) and requeued.reason == "worker_lost"
     assert core.scheduler.is_queued("b") and not core.scheduler.is_known("a")
     # The lost worker gets nothing more; a live one gets the requeued request.
-    assert _dispatch(core, "w1", 1) == ["b"]  # a pull is a sign of life: it rejoined
+    assert _dispatch(core, "w1", TIMEOUT_MS + 5) == ["b"]  # a pull is a sign of life
+
+
+def test_lost_worker_whose_started_event_was_lost_is_not_generated_twice():
+    core = _core()
+    core.submit(_req("a"), 0)
+    _dispatch(core, "w1", 1)
+    (check,) = core.tick(TIMEOUT_MS + 2)  # no Started ever arrived
+    assert isinstance(check, CheckStarted) and check.reason == "worker_lost"
+    assert core.tick(TIMEOUT_MS + 3) == []  # asked once
+    send, ack = core.on_start_checked("a", True, TIMEOUT_MS + 4)  # its message is gone
+    assert isinstance(send, SendError) and send.code is ErrorCode.WORKER_LOST
+    assert isinstance(ack, Ack) and not core.scheduler.is_known("a")
+    assert core.on_start_checked("a", False, TIMEOUT_MS + 5) == []  # a late answer
+
+
+def test_restarted_worker_under_the_same_id_loses_the_old_incarnations_work():
+    core = _core()
+    for rid in ("a", "b"):
+        core.submit(_req(rid), 0)
+    core.on_pull("w1", 0, 1, incarnation="old")
+    assert len(core.select("w1", 10, 1, incarnation="old")) == 2
+    core.on_started("a", "w1", 2, incarnation="old")
+    # The new process heartbeats under the same id at once: no timeout to wait for.
+    actions = core.on_heartbeat("w1", [], 3, incarnation="new")
+    kinds = sorted((type(a).__name__, a.request.request_id) for a in actions)
+    assert kinds == [("Ack", "a"), ("CheckStarted", "b"), ("SendError", "a")]
+    assert core.knows("new") and not core.knows("old")
+    # The old process, if it was only stalled, is refused everything from now on.
+    assert core.on_finished("b", "w1", None, 4, incarnation="old") == []
+    assert core.select("w1", 10, 4, incarnation="old") == []
+    assert core.on_heartbeat("w1", ["b"], 5, incarnation="old") == []
+    assert core.workers.workers["w1"].incarnation == "new"
+
+
+def test_stalled_worker_declared_lost_is_unknown_when_it_wakes():
+    core = _core()
+    core.submit(_req("a"), 0)
+    core.on_pull("w1", 0, 0, incarnation="i1")
+    core.select("w1", 1, 0, incarnation="i1")
+    core.on_started("a", "w1", 1, incarnation="i1")
+    assert _kinds(core.tick(TIMEOUT_MS + 2)) == ["SendError", "Ack"]
+    assert not core.knows("i1")
+    assert core.on_heartbeat("w1", ["a"], TIMEOUT_MS + 3, incarnation="i1") == []
+    assert "w1" not in core.workers.workers
+    core.on_heartbeat("w1", [], TIMEOUT_MS + 4, incarnation="i2")  # it rejoined anew
+    assert core.knows("i2") and core.is_alive("w1", "i2")
+
+
+def test_heartbeat_started_ids_stand_in_for_a_lost_started_event():
+    core = _core()
+    core.submit(_req("a"), 0)
+    _dispatch(core, "w1", 1)
+    (ack,) = core.on_heartbeat("w1", ["a"], 2, started_ids=["a"])
+    assert isinstance(ack, Ack) and ack.reason == "started"
+    assert core.scheduler.is_started("a")
+    assert core.on_started("a", "w1", 3) == []  # the late event changes nothing
+
+
+def test_no_worker_is_lost_while_the_dispatcher_itself_was_cut_off():
+    core = _core()
+    core.on_heartbeat("w1", [], 0)
+    core.on_reconnected(TIMEOUT_MS * 2)  # NATS was down: nobody could reach us
+    assert core.tick(TIMEOUT_MS * 2 + 1) == [] and core.is_alive("w1")
+    core.tick(TIMEOUT_MS * 3 + 2)
+    assert not core.is_alive("w1")
 
 
 def test_select_for_a_worker_declared_lost_returns_nothing():
@@ -106,7 +175,7 @@ def test_select_for_a_worker_declared_lost_returns_nothing():
 
 def test_heartbeat_reconciles_requests_the_worker_no_longer_reports():
     core = _core()
-    for rid in ("started", "lost_reply"):
+    for rid in ("started", "lost_reply", "lost_events"):
         core.submit(_req(rid), 0)
     _dispatch(core, "w1", 0)
     core.on_started("started", "w1", 1)
@@ -114,27 +183,47 @@ def test_heartbeat_reconciles_requests_the_worker_no_longer_reports():
     assert core.on_heartbeat("w1", [], 1_500, interval_ms=1_000) == []
     actions = core.on_heartbeat("w1", [], 2_500, interval_ms=1_000)
     kinds = {(type(a).__name__, a.request.request_id) for a in actions}
-    assert kinds == {("Ack", "started"), ("Requeued", "lost_reply")}
+    assert kinds == {("Ack", "started"), ("CheckStarted", "lost_reply"),
+                     ("CheckStarted", "lost_events")}
+    # Its WorkBatch reply was lost: its message is still in the stream.
+    (requeued,) = core.on_start_checked("lost_reply", False, 2_600)
+    assert isinstance(requeued, Requeued) and core.scheduler.is_queued("lost_reply")
+    # It ran and finished, Started and Finished both lost: the worker acked it.
+    (ack,) = core.on_start_checked("lost_events", True, 2_600)
+    assert isinstance(ack, Ack) and ack.reason == "reconciled"
     assert core.scheduler.tenant_loads()["t"].num_in_flight == 0  # no quota leaks
-    assert core.scheduler.is_queued("lost_reply")
 
 
-def test_restart_grace_adopts_what_workers_report_and_releases_the_rest():
+def test_restart_grace_defers_redeliveries_then_adopts_what_workers_report():
     core = _core()
     core.begin_grace(0)
-    # Redeliveries after a restart wait; a first delivery does not.
-    assert _kinds(core.submit(_req("running"), 10, redelivered=True)) == ["Hold"]
-    assert _kinds(core.submit(_req("queued"), 10, redelivered=True)) == ["Hold"]
+    # Redeliveries after a restart are handed back until the grace ends; a first
+    # delivery is not (no worker can have it).
+    (defer,) = core.submit(_req("running"), 10, redelivered=True)
+    assert isinstance(defer, Defer) and defer.delay_ms >= TIMEOUT_MS - 10
+    assert _kinds(core.submit(_req("queued"), 10, redelivered=True)) == ["Defer"]
     assert _kinds(core.submit(_req("fresh"), 10)) == ["Hold"]
+    assert _kinds(core.submit(_req("queued"), 20, redelivered=True)) == ["Defer"]  # again
+    assert core.status("queued", 20).state.value == "queued"
     assert _dispatch(core, "w2", 20) == ["fresh"]  # deferred ones are not served yet
     assert core.on_heartbeat("w1", ["running"], 100) == []
-    actions = core.tick(TIMEOUT_MS + 1)
-    adopted = [a for a in actions if isinstance(a, Adopted)]
-    assert [(a.request.request_id, a.worker_id) for a in adopted] == [("running", "w1")]
-    assert any(isinstance(a, Released) and a.num_requests == 2 for a in actions)
-    assert not any(isinstance(a, Hold) for a in actions)  # already held
-    assert _dispatch(core, "w2", TIMEOUT_MS + 2) == ["queued"]
-    assert core.workers.worker_of("running") == "w1"
+    (released,) = core.tick(TIMEOUT_MS + 1)
+    assert isinstance(released, Released) and released.num_requests == 2
+    # They come back from JetStream after the grace: adopted, or admitted.
+    hold, adopted = core.submit(_req("running"), TIMEOUT_MS + 300, redelivered=True)
+    assert isinstance(hold, Hold) and isinstance(adopted, Adopted)
+    assert adopted.worker_id == "w1" and core.workers.worker_of("running") == "w1"
+    assert _kinds(core.submit(_req("queued"), TIMEOUT_MS + 300, redelivered=True)) == ["Hold"]
+    assert _dispatch(core, "w2", TIMEOUT_MS + 302) == ["queued"]
+
+
+def test_redelivery_of_an_ended_request_is_termed_without_a_second_answer():
+    core = _core()
+    core.submit(_req("a"), 0)
+    _dispatch(core, "w1", 1)
+    core.on_finished("a", "w1", None, 2)
+    (term,) = core.submit(_req("a"), 3, redelivered=True)
+    assert isinstance(term, Term)
 
 
 def test_heartbeat_adopts_a_queued_request_after_grace():
@@ -163,6 +252,8 @@ def test_cancel_of_a_deferred_redelivery():
     core.submit(_req("a"), 1, redelivered=True)
     assert _kinds(core.on_cancel("a", "client_gone", 5)) == ["SendError", "Term"]
     assert not core.is_known("a")
+    # When JetStream brings it back, it is ended without a second answer.
+    assert _kinds(core.submit(_req("a"), TIMEOUT_MS + 300, redelivered=True)) == ["Term"]
 
 
 def test_handed_back_request_goes_to_the_front_again():
@@ -183,7 +274,7 @@ def test_expired_request_is_refused_on_tick():
     assert isinstance(term, Term)
 
 
-def test_shutdown_naks_queued_and_deferred_work_only():
+def test_shutdown_naks_queued_work_only():
     core = _core()
     core.begin_grace(0)
     core.submit(_req("deferred"), 1, redelivered=True)
@@ -194,7 +285,8 @@ def test_shutdown_naks_queued_and_deferred_work_only():
     core.scheduler.requeue("queued", 3)  # ... and one comes back
     naks = core.shutdown()
     assert all(isinstance(a, Nak) for a in naks)
-    assert sorted(a.request.request_id for a in naks) == ["deferred", "queued"]
+    # The deferred one is not held (JetStream already has it back).
+    assert sorted(a.request.request_id for a in naks) == ["queued"]
 
 
 def test_status_follows_a_request_from_queued_to_ended():
