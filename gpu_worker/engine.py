@@ -36,7 +36,10 @@ class GenerationDelta:
     """New output since the previous delta of the same request.
 
     The last delta of a request has `finish_reason` set ("stop", "length", "abort")
-    and carries the final accounting fields.
+    and carries the final accounting fields. For a continuation
+    (``item.request.resume``) the counts are the whole request's: `token_ids` and
+    `text` are only the new output, `num_output_tokens` includes the resumed-from
+    tokens and `num_prompt_tokens` is the original prompt's.
     """
 
     text: str = ""
@@ -45,8 +48,12 @@ class GenerationDelta:
     # Accounting; meaningful on the last delta (engines may fill them earlier).
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # total so far
+    num_output_tokens: int = 0  # total so far, a continuation's earlier tokens included
     kv_token_seconds: float = 0.0  # integral of this sequence's KV tokens over time
+    # A continuation only: of the prompt + already generated tokens it re-prefilled,
+    # those the engine's prefix cache did not hold (0 for a fresh request). The cost
+    # of the resume: low on the worker that ran it before, under the same cache salt.
+    num_recomputed_tokens: int = 0
 
 
 @runtime_checkable
@@ -55,7 +62,17 @@ class Engine(Protocol):
         """Load the model / start the engine loop. Idempotent."""
 
     def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
-        """Stream deltas for one request. Raises EngineError (e.g. PromptTooLong)."""
+        """Stream deltas for one request. Raises EngineError (e.g. PromptTooLong).
+
+        Honours ``item.request.resume`` (DESIGN.md 5b): the run continues after
+        ``resume.generated_token_ids`` (prefilled again after the prompt, under the
+        same ``item.cache_salt`` so the prefix cache can serve them). Its deltas carry
+        only NEW tokens; ``num_output_tokens`` counts the whole request's output
+        (earlier + new), so usage stays per request. ``sampling.max_tokens`` is the
+        whole request's budget: at most ``max_tokens - len(generated_token_ids)`` new
+        tokens, and with none left the stream is one delta with finish "length" and
+        no tokens.
+        """
 
     async def abort(self, request_id: str) -> None:
         """Stop a running request; its generate() iterator ends with finish 'abort'."""

@@ -11,6 +11,10 @@ What the adapter adds on top of vLLM:
   another's prompts through TTFT). Turn it off for a single-tenant pool.
 * Usage: prompt / cached prompt / output tokens from vLLM's outputs; TTFT and
   KV-token-seconds measured here (see `_Accounting`).
+* Resumable generation (DESIGN.md 5b): a continuation is submitted as token ids,
+  the original prompt's (tokenized as a fresh request is) + the already generated
+  ones, under the same cache salt, so vLLM's prefix cache (on by default) serves
+  what it still holds; see `_resume_prompt`.
 * `load()`: see `_SchedulerStatsTap` for where the figures come from.
 
 vLLM is imported lazily so that this module (and `gpu_worker.engines`) imports on
@@ -112,24 +116,30 @@ class _Accounting:
     allocator's view.
     """
 
-    __slots__ = (
-        "submitted",
-        "last_t",
-        "first_token_t",
-        "num_prompt",
-        "num_cached",
-        "num_output",
-        "kv_token_seconds",
-    )
+    __slots__ = ("submitted", "last_t", "first_token_t", "num_prompt", "num_cached",
+                 "num_output", "kv_token_seconds", "num_resumed", "abort_requested")
 
-    def __init__(self) -> None:
+    def __init__(self, num_resumed: int | None = None) -> None:
         self.submitted = time.monotonic()
         self.last_t = 0.0
         self.first_token_t = 0.0
-        self.num_prompt = 0
-        self.num_cached = 0
-        self.num_output = 0
+        self.num_prompt = 0  # the original prompt's, also for a continuation
+        self.num_cached = 0  # of what vLLM prefilled (a continuation's output included)
+        self.num_output = num_resumed or 0  # the whole request's output
         self.kv_token_seconds = 0.0
+        self.num_resumed = num_resumed  # None: not a continuation
+        self.abort_requested = False
+
+    def delta(self, **kw: Any) -> VllmDelta:
+        # A continuation re-prefilled prompt + earlier output (known done at its first
+        # output), less what vLLM's prefix cache held.
+        resumed, recomputed = self.num_resumed, 0
+        if resumed is not None and self.last_t:
+            recomputed = max(0, self.num_prompt + resumed - self.num_cached)
+        return VllmDelta(num_prompt_tokens=self.num_prompt, num_output_tokens=self.num_output,
+                         num_cached_prompt_tokens=min(self.num_cached, self.num_prompt),
+                         kv_token_seconds=self.kv_token_seconds, ttft_ms=self.ttft_ms,
+                         num_recomputed_tokens=recomputed, **kw)
 
     def on_output(self, num_new_tokens: int, now: float) -> None:
         if self.last_t:
@@ -273,7 +283,11 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         """Abort by our (external) id; vLLM maps it to its suffixed internal ids and
         the request's generate() stream ends with finish_reason "abort"."""
-        if self._llm is not None and request_id in self._inflight:
+        acc = self._inflight.get(request_id)
+        if self._llm is not None and acc is not None:
+            # Also remembered: a request not yet submitted to vLLM (a continuation
+            # being tokenized) is unknown to vLLM's abort; generate() honours it.
+            acc.abort_requested = True
             await self._llm.abort(request_id)
 
     def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
@@ -290,23 +304,44 @@ class VllmEngine:
             raise EngineDead("vLLM engine is dead")
         req = item.request
         prompt, tokenization_kwargs = self._build_prompt(item)
-        params = self._sampling_params(item)
+        resumed = req.resume.generated_token_ids if req.resume is not None else None
+        params = self._sampling_params(item, len(resumed or ()))
         request_id = req.request_id
         if request_id in self._inflight:
             raise EngineError(f"request {request_id} is already running", ErrorCode.INVALID_REQUEST)
 
-        acc = _Accounting()
+        acc = _Accounting(None if resumed is None else len(resumed))
         self._inflight[request_id] = acc
-        stream = llm.generate(
-            prompt,
-            params,
-            request_id,
-            priority=item.engine_priority,
-            tokenization_kwargs=tokenization_kwargs,
-        )
+        stream = None
         finished = False
         try:
+            if resumed is not None:
+                prompt, acc.num_prompt = await self._resume_prompt(
+                    prompt, tokenization_kwargs, resumed
+                )
+                tokenization_kwargs = None
+                total = acc.num_prompt + len(resumed)
+                # max_tokens is the whole request's budget; the model's length caps
+                # the undisturbed run too (vLLM ends it with "length" there).
+                if params is None or (self._max_model_len and total >= self._max_model_len):
+                    finished = True
+                    yield acc.delta(finish_reason="length")
+                    return
+            if acc.abort_requested:  # aborted before vLLM knew the request
+                finished = True
+                yield acc.delta(finish_reason="abort")
+                return
+            stream = llm.generate(
+                prompt,
+                params,
+                request_id,
+                priority=item.engine_priority,
+                tokenization_kwargs=tokenization_kwargs,
+            )
             async for out in stream:
+                if acc.abort_requested and not out.finished:  # reached vLLM after the abort
+                    acc.abort_requested = False
+                    await llm.abort(request_id)
                 now = time.monotonic()
                 if not acc.num_prompt and out.prompt_token_ids:
                     acc.num_prompt = len(out.prompt_token_ids)
@@ -322,16 +357,7 @@ class VllmEngine:
                 if not token_ids and not text and finish is None:
                     continue
                 finished = finish is not None
-                yield VllmDelta(
-                    text=text,
-                    token_ids=token_ids,
-                    finish_reason=finish,
-                    num_prompt_tokens=acc.num_prompt,
-                    num_cached_prompt_tokens=acc.num_cached,
-                    num_output_tokens=acc.num_output,
-                    kv_token_seconds=acc.kv_token_seconds,
-                    ttft_ms=acc.ttft_ms,
-                )
+                yield acc.delta(text=text, token_ids=token_ids, finish_reason=finish)
                 if finished:
                     break
         except EngineDeadError as exc:
@@ -348,15 +374,20 @@ class VllmEngine:
                 raise self._map_validation_error(cause) from exc
             raise EngineError(f"vLLM failed the request: {exc!r}") from exc
         finally:
-            self._inflight.pop(request_id, None)
-            if not finished and not llm.errored:
-                # Our consumer went away (cancelled / aclose()): free the slot now
-                # rather than when the inner generator is garbage-collected.
-                try:
-                    await llm.abort(request_id)
-                except Exception:  # noqa: BLE001 - best effort on the way out
-                    pass
-            await stream.aclose()
+            if stream is not None:
+                if not finished and not llm.errored:
+                    # Our consumer went away (cancelled / aclose()): free the slot now
+                    # rather than when the inner generator is garbage-collected.
+                    try:
+                        await llm.abort(request_id)
+                    except Exception:  # noqa: BLE001 - best effort on the way out
+                        pass
+                await stream.aclose()
+            # Only now: vLLM aborts by external id, so a continuation of this request
+            # must not be submitted (it is refused as "already running") before the
+            # abort above is through, or that abort would hit it too.
+            if self._inflight.get(request_id) is acc:
+                del self._inflight[request_id]
 
     # --- helpers --------------------------------------------------------------------
 
@@ -392,6 +423,33 @@ class VllmEngine:
             prompt["cache_salt"] = item.cache_salt or req.tenant
         return prompt, tokenization_kwargs
 
+    async def _resume_prompt(
+        self,
+        prompt: dict[str, Any],
+        tokenization_kwargs: dict[str, Any] | None,
+        generated_token_ids: list[int],
+    ) -> tuple[dict[str, Any], int]:
+        """(original prompt ids + generated ids, same cache salt; original length).
+
+        Text is tokenized by vLLM's renderer as `AsyncLLM.generate` does a fresh raw
+        prompt, so the ids (and prefix-cache blocks) are the first run's. Internal
+        vLLM API: pyproject pins vLLM to a minor release.
+        """
+        ids = prompt.get("prompt_token_ids")
+        if ids is None:
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+            renderer, model_config = self._llm.renderer, self._llm.model_config
+            tok_params = renderer.default_cmpl_tok_params.with_kwargs(**(tokenization_kwargs or {}))
+            parsed = parse_model_prompt(model_config, {"prompt": prompt["prompt"]})
+            (rendered,) = await renderer.render_cmpl_async([parsed], tok_params)
+            ids = rendered["prompt_token_ids"]
+            self._check_prompt_len(len(ids))
+        resumed: dict[str, Any] = {"prompt_token_ids": [*ids, *generated_token_ids]}
+        if "cache_salt" in prompt:
+            resumed["cache_salt"] = prompt["cache_salt"]
+        return resumed, len(ids)
+
     def _check_prompt_len(self, num_prompt_tokens: int) -> None:
         # vLLM needs room for at least one output token.
         if self._max_model_len and num_prompt_tokens >= self._max_model_len:
@@ -400,12 +458,16 @@ class VllmEngine:
                 f"{self._max_model_len - 1} (max_model_len {self._max_model_len})"
             )
 
-    def _sampling_params(self, item: WorkItem) -> Any:
+    def _sampling_params(self, item: WorkItem, num_resumed_tokens: int = 0) -> Any:
+        """vLLM's parameters; None when a continuation has no output budget left."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         sp = item.request.sampling
+        max_tokens = sp.max_tokens - num_resumed_tokens  # max_tokens is per request
+        if num_resumed_tokens and max_tokens <= 0:
+            return None
         if sp.stop and self.config.skip_tokenizer_init:
             raise EngineError(
                 "stop strings need a tokenizer (skip_tokenizer_init is on)",
@@ -416,7 +478,7 @@ class VllmEngine:
                 n=1,
                 temperature=sp.temperature,
                 top_p=sp.top_p,
-                max_tokens=sp.max_tokens,
+                max_tokens=max_tokens,
                 stop=list(sp.stop) or None,
                 seed=sp.seed,
                 output_kind=RequestOutputKind.DELTA,

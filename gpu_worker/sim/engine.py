@@ -17,7 +17,12 @@ fleet's fairness and latency behave as they would on real GPUs:
   freed, it goes back to waiting with its original arrival, and later re-prefills
   prompt + tokens generated so far). Its stream just pauses; no tokens are repeated;
 - step time from a `StepModel`: base + per-seq × batch + per-KV-token × KV in use,
-  plus the prefill of prompts admitted in that step at ``prefill_tokens_per_s``.
+  plus the prefill of prompts admitted in that step at ``prefill_tokens_per_s``;
+- a prefix cache (`gpu_worker.sim.prefix_cache`), so a sequence re-admitted after a
+  preemption, or resumed (``InferenceRequest.resume``, DESIGN.md 5b) under the same
+  ``cache_salt``, re-prefills only the blocks evicted meanwhile. A continuation
+  emits exactly the tokens the undisturbed run would have emitted after its prefix;
+- ``sampling.stop`` strings (finish "stop"; the stop string is not returned).
 
 ``time_scale`` multiplies every sleep (1.0 = real time, 0.01 = 100× faster); the
 accounting (``kv_token_seconds``) is always in simulated seconds.
@@ -41,6 +46,7 @@ from fairlane.protocol import EngineLoad, WorkItem
 from fairlane.runtime import cancel_and_wait
 from fairlane.validation import estimate_prompt_tokens
 from gpu_worker.engine import EngineDead, EngineError, GenerationDelta, PromptTooLong
+from gpu_worker.sim.prefix_cache import PrefixCache
 from gpu_worker.sim.step_model import StepModel, load_step_model
 
 log = structlog.get_logger(__name__)
@@ -55,6 +61,38 @@ class _State(enum.Enum):
     FINISHED = "finished"
 
 
+class _StopMatcher:
+    """``sampling.stop`` over token texts: the output ends just before the earliest
+    stop string (OpenAI semantics). A stop string can span tokens, so the last
+    ``longest stop - 1`` characters are held back until the next token shows they do
+    not begin one (as vLLM's detokenizer does). Only held text + new token is searched
+    (an earlier match would have ended the stream): O(longest stop) per token.
+    """
+
+    __slots__ = ("stops", "hold_chars", "held")
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.hold_chars = max(map(len, self.stops), default=1) - 1
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text that may be emitted now, whether a stop string was reached)."""
+        buf = self.held + text
+        hits = [i for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        cut = max(0, len(buf) - self.hold_chars)
+        self.held = buf[cut:]
+        return buf[:cut], False
+
+    def flush(self) -> str:
+        """The held-back text, when the stream ends for another reason: it is output."""
+        held, self.held = self.held, ""
+        return held
+
+
 @dataclass(eq=False, slots=True)
 class _Seq:
     request_id: str
@@ -64,12 +102,21 @@ class _Seq:
     target_output_tokens: int
     finish_reason_at_target: str
     rng: random.Random
+    cache_key: tuple[str, str]  # (cache salt, request id): its prefix-cache entry
+    stop: _StopMatcher | None = None
+    is_resume: bool = False
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: _State = _State.WAITING
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # whole request: resumed-from tokens included
     num_blocks: int = 0
+    num_kv_computed: int = 0  # tokens whose KV is computed (the last sampled has none yet)
+    num_admissions: int = 0
     num_preemptions: int = 0
     kv_token_seconds: float = 0.0
+    # A continuation's first admission: re-prefilled tokens the prefix cache did not
+    # hold, and prompt tokens it did.
+    num_recomputed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
 
     @property
     def key(self) -> tuple[int, int]:
@@ -83,8 +130,10 @@ class _Seq:
     def delta(self, **kw: object) -> GenerationDelta:
         return GenerationDelta(
             num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
             kv_token_seconds=self.kv_token_seconds,
+            num_recomputed_tokens=self.num_recomputed_tokens,
             **kw,  # type: ignore[arg-type]
         )
 
@@ -136,7 +185,8 @@ class SimEngine:
         self._running: list[_Seq] = []
         self._waiting: list[tuple[int, int, _Seq]] = []  # heap; stale entries skipped
         self._num_waiting = 0
-        self._free_blocks = self.num_blocks_total
+        self._free_blocks = self.num_blocks_total  # includes the prefix cache's blocks
+        self.prefix_cache = PrefixCache()
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -145,7 +195,10 @@ class SimEngine:
 
         self.num_steps = 0
         self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # output tokens re-prefilled after preemption
+        # Tokens prefilled again (a preempted sequence's or a continuation's prompt +
+        # output) that the prefix cache no longer held, and those it did hold.
+        self.num_recomputed_tokens = 0
+        self.num_prefix_cache_hit_tokens = 0
         self.sim_time_s = 0.0
         self.steps: deque[StepRecord] = deque(maxlen=step_log_size)
 
@@ -182,6 +235,10 @@ class SimEngine:
         if self._task is None:
             await self.start()
         seq = self._new_seq(item)
+        if seq.num_output_tokens >= seq.target_output_tokens:
+            # A continuation with nothing left to generate: it never takes a slot.
+            yield seq.delta(finish_reason=seq.finish_reason_at_target)
+            return
         self._seqs[seq.request_id] = seq
         self._push_waiting(seq)
         self._wakeup.set()
@@ -244,7 +301,8 @@ class SimEngine:
                 f"{self.max_seq_len - 1} prompt tokens (max_model_len {self.max_model_len}, "
                 f"KV cache {self.num_blocks_total * self.block_size} tokens)"
             )
-        # Deterministic per request: the same seed (or id) always gives the same length.
+        # Deterministic per request: the same seed (or id) always gives the same length
+        # and tokens, so a continuation (same request) picks up the same stream.
         seed = req.sampling.seed
         if seed is None:
             seed = zlib.crc32(req.request_id.encode())
@@ -253,16 +311,27 @@ class SimEngine:
             natural = max(1, req.expected_output_tokens)
         else:
             natural = 1 + int(rng.expovariate(1.0 / self.mean_output_tokens))
+        # max_tokens is the whole request's budget, a continuation's included.
         cap = max(1, min(req.sampling.max_tokens, self.max_seq_len - num_prompt))
-        return _Seq(
+        num_done = len(req.resume.generated_token_ids) if req.resume is not None else 0
+        target = min(natural, cap)
+        seq = _Seq(
             request_id=req.request_id,
             priority=item.engine_priority,
             arrival=next(self._arrivals),
             num_prompt_tokens=num_prompt,
-            target_output_tokens=min(natural, cap),
-            finish_reason_at_target="stop" if natural < cap else "length",
+            target_output_tokens=target,
+            finish_reason_at_target="stop" if natural < cap and num_done < cap else "length",
             rng=rng,
+            cache_key=(item.cache_salt or req.tenant, req.request_id),
+            stop=_StopMatcher(req.sampling.stop) if any(req.sampling.stop) else None,
+            is_resume=req.resume is not None,
+            num_output_tokens=num_done,
         )
+        if num_done < target:
+            for _ in range(num_done):  # skip the tokens the client already has
+                rng.randrange(SIM_VOCAB_SIZE)
+        return seq
 
     def _push_waiting(self, seq: _Seq) -> None:
         seq.state = _State.WAITING
@@ -324,7 +393,7 @@ class SimEngine:
                     break
             if seq.state is _State.RUNNING and need > 0:
                 seq.num_blocks += need
-                self._free_blocks -= need
+                self._take_free_blocks(need)
         if preempted and self._running:
             return 0  # as vLLM: no admissions in a step that had to preempt
         prefill = 0
@@ -337,14 +406,41 @@ class SimEngine:
                 break  # head-of-line: nothing behind it jumps ahead
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
-            head.state = _State.RUNNING
-            head.num_blocks = need
-            self._free_blocks -= need
-            self._running.append(head)
-            # Recompute-style: a preempted sequence re-prefills its generated tokens too.
-            prefill += head.num_prompt_tokens + head.num_output_tokens
-            self.num_recomputed_tokens += head.num_output_tokens
+            prefill += self._admit(head, need)
         return prefill
+
+    def _admit(self, seq: _Seq, need: int) -> int:
+        """Move `seq` into the batch with `need` blocks; returns its prefill tokens."""
+        num_tokens = seq.num_prompt_tokens + seq.num_output_tokens
+        hit_tokens = 0
+        # Recompute-style: a preempted sequence or a continuation re-prefills prompt +
+        # generated tokens, less the full blocks its prefix-cache entry still holds. At
+        # least the last token is computed again (its logits give the next token), as
+        # in vLLM.
+        refill = seq.is_resume or seq.num_admissions > 0
+        if refill:
+            hit_blocks = self.prefix_cache.take(seq.cache_key, (num_tokens - 1) // self.block_size)
+            hit_tokens = hit_blocks * self.block_size
+            self.num_recomputed_tokens += num_tokens - hit_tokens
+            self.num_prefix_cache_hit_tokens += hit_tokens
+            if seq.num_admissions == 0:  # the continuation's own re-prefill
+                seq.num_recomputed_tokens = num_tokens - hit_tokens
+                seq.num_cached_prompt_tokens = min(hit_tokens, seq.num_prompt_tokens)
+        self._take_free_blocks(need)
+        seq.state = _State.RUNNING
+        seq.num_blocks = need
+        seq.num_kv_computed = hit_tokens
+        seq.num_admissions += 1
+        self._running.append(seq)
+        return num_tokens - hit_tokens
+
+    def _take_free_blocks(self, n: int) -> None:
+        """Allocate `n` of the free blocks, evicting cached ones only when the
+        uncached free blocks do not suffice (the caller checked n <= free)."""
+        shortfall = n - (self._free_blocks - self.prefix_cache.num_blocks)
+        if shortfall > 0:
+            self.prefix_cache.evict(shortfall)
+        self._free_blocks -= n
 
     def _blocks_for(self, seq: _Seq) -> int:
         return -(-(seq.num_prompt_tokens + seq.num_output_tokens + 1) // self.block_size)
@@ -357,32 +453,43 @@ class SimEngine:
         log.debug("sim_preempted", request_id=seq.request_id, num_output_tokens=seq.num_output_tokens)
 
     def _release(self, seq: _Seq) -> None:
-        """Take `seq` out of the batch / queue and free its KV blocks."""
+        """Take `seq` out of the batch / queue and free its KV blocks; its full
+        computed blocks stay in the prefix cache (free, evictable) for a later run."""
         if seq.state is _State.RUNNING:
             self._running.remove(seq)
         elif seq.state is _State.WAITING:
             self._num_waiting -= 1  # its heap entry goes stale and is skipped
-        self._free_blocks += seq.num_blocks
+        if seq.num_blocks:
+            self._free_blocks += seq.num_blocks
+            full_blocks = min(seq.num_blocks, seq.num_kv_computed // self.block_size)
+            self.prefix_cache.put(seq.cache_key, full_blocks)
         seq.num_blocks = 0
+        seq.num_kv_computed = 0
         seq.state = _State.FINISHED
 
     def _emit_token(self, seq: _Seq) -> None:
         seq.num_output_tokens += 1
+        # The step fed the previously sampled token, so all but the new one have KV.
+        seq.num_kv_computed = seq.num_prompt_tokens + seq.num_output_tokens - 1
         token_id = seq.rng.randrange(SIM_VOCAB_SIZE)
-        done = seq.num_output_tokens >= seq.target_output_tokens
-        if not done:
-            seq.out.put_nowait(seq.delta(text=f" tok{token_id}", token_ids=[token_id]))
+        text, finish = f" tok{token_id}", None
+        if seq.stop is not None:
+            text, stopped = seq.stop.feed(text)
+            if stopped:
+                finish = "stop"
+        if finish is None and seq.num_output_tokens >= seq.target_output_tokens:
+            finish = seq.finish_reason_at_target
+            text += seq.stop.flush() if seq.stop is not None else ""
+        if finish is None:
+            seq.out.put_nowait(seq.delta(text=text, token_ids=[token_id]))
             return
         self._release(seq)
-        seq.out.put_nowait(
-            seq.delta(
-                text=f" tok{token_id}",
-                token_ids=[token_id],
-                finish_reason=seq.finish_reason_at_target,
-            )
-        )
+        seq.out.put_nowait(seq.delta(text=text, token_ids=[token_id], finish_reason=finish))
 
     def _finish(self, seq: _Seq, finish_reason: str | None) -> None:
         self._release(seq)
         if finish_reason is not None:
-            seq.out.put_nowait(seq.delta(finish_reason=finish_reason))
+            # Text held back for a possible stop string belongs to tokens already
+            # emitted (a continuation starts after them): it goes out now.
+            held = seq.stop.flush() if seq.stop is not None else ""
+            seq.out.put_nowait(seq.delta(text=held, finish_reason=finish_reason))

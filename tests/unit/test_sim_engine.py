@@ -40,7 +40,8 @@ def model(**kw) -> StepModel:
 
 
 def item(rid: str, *, prompt_tokens: int = 32, out: int | None = 8, max_tokens: int = 256,
-         priority: int = 0, seed: int | None = None, prompt: str | None = None) -> WorkItem:
+         priority: int = 0, seed: int | None = None, prompt: str | None = None,
+         stop: list[str] | None = None) -> WorkItem:
     req = InferenceRequest(
         request_id=rid,
         tenant="t1",
@@ -49,7 +50,7 @@ def item(rid: str, *, prompt_tokens: int = 32, out: int | None = 8, max_tokens: 
         reply_to="inbox.x",
         prompt=prompt,
         prompt_token_ids=None if prompt is not None else list(range(prompt_tokens)),
-        sampling=SamplingParams(max_tokens=max_tokens, seed=seed),
+        sampling=SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop or []),
         expected_output_tokens=out,
     )
     return WorkItem(request=req, engine_priority=priority)
@@ -309,3 +310,56 @@ async def test_time_scale_one_is_roughly_real_time(engines):
     await collect(e, item("rt", out=10))
     assert loop.time() - t0 >= 0.045
     assert e.sim_time_s == pytest.approx(0.05, rel=0.01)
+
+
+# --- stop strings ----------------------------------------------------------------------
+
+
+def expected_stop(texts: list[str], stops: list[str]) -> tuple[str, int]:
+    """(returned text, tokens emitted) for `stops` over the undisturbed token texts:
+    the text up to the earliest stop occurrence; the tokens up to the one completing
+    the first match."""
+    full = "".join(texts)
+    for n in range(1, len(texts) + 1):
+        so_far = "".join(texts[:n])
+        hits = [so_far.find(s) for s in stops if s in so_far]
+        if hits:
+            return full[: min(hits)], n
+    return full, len(texts)
+
+
+async def test_stop_string_ends_the_stream_without_returning_it(engines):
+    e = engines()
+    base = await collect(e, item("st0", out=20, seed=5))
+    texts = [d.text for d in base]
+    ids = [d.token_ids[0] for d in base]
+    # a whole token's text; one spanning two tokens ("<last digit> tok<first digit>");
+    # two digits (may first occur anywhere); two stops at once (the earlier match
+    # wins); one that never occurs
+    spanning = texts[6][-1] + texts[7][:5]
+    cases = [[texts[9]], [spanning], [texts[4][4:6]], ["zzz", texts[12], texts[8]], ["zzz"]]
+    for i, stops in enumerate(cases):
+        got = await collect(e, item(f"st{i + 1}", out=20, seed=5, stop=stops))
+        want_text, want_tokens = expected_stop(texts, stops)
+        assert "".join(d.text for d in got) == want_text, stops
+        assert [t for d in got for t in d.token_ids] == ids[:want_tokens]
+        assert got[-1].num_output_tokens == want_tokens
+        stopped = any(s in "".join(texts) for s in stops)
+        assert got[-1].finish_reason == ("stop" if stopped else base[-1].finish_reason)
+        assert not any(s in "".join(d.text for d in got) for s in stops)
+    assert e.load().num_running == 0 and e.load().kv_tokens_used == 0
+
+
+async def test_held_back_text_is_not_lost_on_abort(engines):
+    # With a 6-character stop, the last 5 characters wait for the next token; an
+    # abort (a preemption, say) must still deliver them: the continuation starts
+    # after these tokens and would never send that text.
+    e = engines(time_scale=0.01)
+    got: list[GenerationDelta] = []
+    async for d in e.generate(item("held", out=500, max_tokens=500, stop=["qqqqqq"])):
+        got.append(d)
+        if len(got) == 3:
+            await e.abort("held")
+    assert got[-1].finish_reason == "abort"
+    ids = [t for d in got for t in d.token_ids]
+    assert "".join(d.text for d in got) == "".join(f" tok{t}" for t in ids)
