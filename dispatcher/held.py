@@ -9,12 +9,14 @@ the one place acks are decided.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import deque
 from dataclasses import dataclass
 
 import structlog
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from fairlane.protocol import InferenceRequest
 
@@ -69,9 +71,33 @@ class HeldMessages:
             held.touched_ms = now_ms
             self._touch_order.append((now_ms, rid))
 
-    async def settle(self, held: Held, action: str) -> None:
+    async def was_acked(self, js, stream: str, held: Held, attempts: int = 5) -> bool:
+        """Whether the request's message left the WorkQueue stream, i.e. a worker acked
+        it at its first token (we ack only requests we end, and ask only about ones we
+        have not). If JetStream cannot be asked, say started: a retryable error to the
+        client beats generating the request a second time."""
+        try:
+            seq = held.msg.metadata.sequence.stream
+        except Exception:  # not a JetStream message (tests feeding the shell directly)
+            return False
+        delay_s = 0.2
+        for attempt in range(1, attempts + 1):
+            try:
+                await js.get_msg(stream, seq)
+                return False
+            except NotFoundError:
+                return True
+            except Exception as exc:
+                log.warning("start_check_failed", request_id=held.request.request_id,
+                            attempt=attempt, error=repr(exc))
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 2.0)
+        return True
+
+    async def settle(self, held: Held, action: str, delay_s: float | None = None) -> None:
         """ack: started or finished (never replay). term: refused, expired, cancelled.
-        nak: hand back to JetStream for redelivery now (shutdown)."""
+        nak: hand back to JetStream for redelivery now (shutdown), or after `delay_s`
+        (a redelivery deferred during the restart grace)."""
         if held.settled:
             return
         held.settled = True
@@ -82,7 +108,7 @@ class HeldMessages:
             elif action == "term":
                 await held.msg.term()
             else:
-                await held.msg.nak()
+                await held.msg.nak(delay=delay_s)
         except Exception as exc:
             log.warning("settle_failed", request_id=held.request.request_id, action=action,
                         error=str(exc))

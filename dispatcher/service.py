@@ -6,7 +6,7 @@ decoded and checked, then *held un-acked* while the request waits (touched with
 ``Started`` (so started work is never replayed), or terminated when the request is
 refused, expires or is cancelled. If this process dies, JetStream redelivers every
 held message to the next dispatcher after ``ack_wait``. `dispatcher.held` holds them and
-decides acks.
+decides acks; `dispatcher.ingest` fetches, decodes and checks them.
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ from functools import partial
 import nats
 import structlog
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
 from dispatcher.held import Held, HeldMessages
+from dispatcher.ingest import Ingest
 from dispatcher.leader import LeaderLease, pool_lease
 from dispatcher.queries import answer_info, answer_status
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
-from dispatcher.scheduler.types import ActualUsage, QueuedRequest
+from dispatcher.scheduler.types import ActualUsage
 from fairlane.poolconfig import SchedulerConfig, check_policy
 from fairlane.protocol import (
-    ErrorCode,
     ErrorInfo,
     Finished,
     Heartbeat,
+    HeartbeatAck,
     ProtocolError,
     PullRequest,
     Requeue,
@@ -47,15 +47,13 @@ from fairlane.protocol import (
     decode_cancel,
     decode_event,
     decode_pull,
-    decode_request,
     encode,
-    peek_reply_fields,
 )
 from fairlane.runtime import cancel_and_wait, log_nats_error, mono_ms, now_ms
 from fairlane.streams import ensure_streams
-from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
+from fairlane.subjects import Subjects
 from fairlane.tenants import TenantsWatcher, resolve_pool_config
-from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
+from fairlane.validation import RequestLimits
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +66,7 @@ class _Pull:
 
 
 @dataclass
-class Dispatcher:
+class Dispatcher(Ingest):
     settings: DispatcherSettings
     scheduler_config: SchedulerConfig | None = None
     nc: nats.NATS | None = None
@@ -99,6 +97,7 @@ class Dispatcher:
         self._pulls: deque[_Pull] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._checks: set[asyncio.Task] = set()  # CheckStarted look-ups in progress
         self._subs: list = []
         self._stopping = False
         self.ready = asyncio.Event()
@@ -106,6 +105,7 @@ class Dispatcher:
         self.epoch = 0
         self.lease: LeaderLease | None = None
         self.lease_lost = asyncio.Event()
+        self._cut_off = False  # NATS unreachable at the last housekeeping pass
 
     def _limits(self) -> RequestLimits:
         s = self.settings
@@ -158,29 +158,13 @@ class Dispatcher:
         self.epoch = 0
         self.lease_lost.set()
 
-    async def _consumer(self, tier: str):
-        """One durable pull consumer per tier: a free-tier backlog never blocks paid
-        fetches, because each tier's loop fetches on its own."""
-        s = self.settings
-        name = f"disp_{s.pool}_{tier}"
-        cfg = ConsumerConfig(
-            durable_name=name, name=name,
-            filter_subject=self.subjects.requests_tier(s.pool, tier),
-            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-            ack_wait=s.ack_wait_s, max_ack_pending=s.max_held_messages, max_deliver=-1,
-            max_waiting=16,
-        )
-        stream = self.subjects.requests_stream
-        await self.js.add_consumer(stream, config=cfg)
-        return await self.js.pull_subscribe_bind(durable=name, stream=stream)
-
     async def stop(self) -> None:
         """Stop fetching and answering; held messages stay un-acked for the next
         dispatcher (they come back after ack_wait, or at once when nak'ed here)."""
         self._stopping = True
         if self.lease is not None:  # release first: a standby takes over, gets the naks below
             await self.lease.stop()
-        await asyncio.gather(*(cancel_and_wait(t) for t in self._tasks))
+        await asyncio.gather(*(cancel_and_wait(t) for t in (*self._tasks, *self._checks)))
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -197,90 +181,6 @@ class Dispatcher:
             await self.nc.close()
         log.info("dispatcher_stopped")
 
-    # --- ingest ------------------------------------------------------------------------
-
-    async def _fetch_loop(self, tier: str, sub) -> None:
-        s = self.settings
-        while True:
-            # Backpressure: past the bound, leave messages in JetStream.
-            room = s.max_held_messages - len(self._held)
-            if room <= 0:
-                await asyncio.sleep(0.05)
-                continue
-            try:
-                # Wait for the first message alone: a batched fetch that got one message
-                # keeps waiting for the rest of its batch until its deadline, which
-                # would hold a lone request for up to the whole timeout.
-                msgs = await sub.fetch(1, timeout=1.0)
-                # Then take what is already waiting, asking for exactly that many so
-                # the fetch returns as soon as they arrive.
-                pending = _num_pending(msgs[0])
-                if room > 1 and pending > 0:
-                    with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
-                        msgs += await sub.fetch(min(s.fetch_batch, room - 1, pending),
-                                                timeout=0.05)
-            except (nats.errors.TimeoutError, TimeoutError):
-                # nats-py raises either on an idle fetch; neither is a failure, and
-                # backing off here would delay the next request by the back-off.
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # connection blips: retry, never die
-                log.warning("fetch_failed", tier=tier, error=repr(exc))
-                await asyncio.sleep(0.2)
-                continue
-            for msg in msgs:
-                await self._ingest(msg)
-            self._wake.set()
-
-    async def _ingest(self, msg: Msg) -> None:
-        metrics.INGESTED.inc()
-        try:
-            req = decode_request(msg.data)
-            pool, tier, tenant = Subjects.parse_request(msg.subject)
-            if (req.pool, req.tier, req.tenant) != (pool, tier, tenant):
-                raise ProtocolError(
-                    f"body says {req.pool}/{req.tier}/{req.tenant} but subject is {msg.subject}",
-                    ErrorCode.INVALID_REQUEST,
-                )
-            check_request(req, self.limits)
-        except ProtocolError as exc:
-            rid, reply = peek_reply_fields(msg.data)
-            if reply is None and msg.headers:
-                reply = msg.headers.get(REPLY_HEADER)
-            if reply is not None:
-                try:
-                    check_reply_subject(reply)
-                except ProtocolError:
-                    reply = None
-            log.warning("request_refused", subject=msg.subject, request_id=rid,
-                        code=exc.code.value, error=exc.message)
-            metrics.REJECTED.labels(reason=exc.code.value).inc()
-            if reply:
-                await self._send_error(reply, rid or "", exc.info())
-            await _term(msg)
-            return
-
-        known = self._held.get(req.request_id)
-        if known is not None:
-            # A redelivery of a request we already hold: keep the newest handle.
-            self._held.redelivered(known, msg, mono_ms())
-            return
-
-        now = mono_ms()
-        deadline = None
-        if req.deadline_ms is not None:
-            deadline = now + (req.deadline_ms - now_ms())
-        q = QueuedRequest(
-            request_id=req.request_id, tenant=req.tenant, tier=req.tier,
-            prompt_tokens=estimate_prompt_tokens(req), max_output_tokens=req.sampling.max_tokens,
-            expected_output_tokens=req.expected_output_tokens or req.sampling.max_tokens,
-            priority=req.priority, arrival_ms=now, deadline_ms=deadline,
-            ttft_budget_ms=req.ttft_budget_ms, attempt=req.attempt,
-        )
-        q.payload = Held(msg, req, now)
-        await self._apply(self.core.submit(q, now, redelivered=_redelivered(msg)))
-
     # --- pulls: matching queued work to workers with room ------------------------------
 
     async def _on_pull(self, msg: Msg) -> None:
@@ -292,7 +192,8 @@ class Dispatcher:
                 await self.nc.publish(msg.reply, encode(WorkBatch()))
             return
         now = mono_ms()
-        self.core.on_pull(pull.worker_id, pull.free_kv_tokens, now)
+        await self._apply(self.core.on_pull(pull.worker_id, pull.free_kv_tokens, now,
+                                            pull.incarnation))
         self._pulls.append(_Pull(pull, msg.reply, now + pull.wait_ms))
         self._wake.set()
 
@@ -314,7 +215,8 @@ class Dispatcher:
             return  # fenced: dispatch nothing more; unanswered pulls time out
         while self._pulls:
             p = self._pulls.popleft()
-            alive = self.core.is_alive(p.pull.worker_id)  # not declared lost since
+            # Not declared lost since (nor replaced by a newer incarnation).
+            alive = self.core.is_alive(p.pull.worker_id, p.pull.incarnation)
             batch = self._select_for(p.pull, now)
             if batch or now >= p.expires_ms or not alive:
                 await self.nc.publish(p.reply, encode(WorkBatch(items=batch, epoch=self.epoch)))
@@ -326,7 +228,8 @@ class Dispatcher:
         free_kv = pull.free_kv_tokens if pull.free_kv_tokens > 0 else None
         items: list[WorkItem] = []
         epoch = now_ms()
-        for d in self.core.select(pull.worker_id, pull.max_items, now, free_kv):
+        for d in self.core.select(pull.worker_id, pull.max_items, now, free_kv,
+                                  incarnation=pull.incarnation):
             held: Held = d.request.payload
             queue_ms = int(now - d.request.arrival_ms)
             metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
@@ -347,16 +250,29 @@ class Dispatcher:
             log.warning("bad_event", error=exc.message)
             return
         now = mono_ms()
+        inc = ev.incarnation
         if isinstance(ev, Heartbeat):
             actions = self.core.on_heartbeat(
                 ev.worker_id, ev.in_flight_ids, now, interval_ms=ev.interval_ms,
-                draining=ev.draining, load=ev.load)
+                draining=ev.draining, load=ev.load, incarnation=inc,
+                started_ids=ev.started_ids)
+            if msg.reply:
+                # The worker's lease: without an ack it stops publishing for its work
+                # before we could declare it lost; "unknown" makes it fence at once.
+                ack = HeartbeatAck(known=self.core.knows(inc), epoch=self.epoch,
+                                   worker_timeout_ms=int(self.settings.worker_timeout_ms))
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(msg.reply, encode(ack))
+                if not ack.known:
+                    log.warning("worker_fenced", worker_id=ev.worker_id, incarnation=inc)
         elif isinstance(ev, Started):
-            actions = self.core.on_started(ev.request_id, ev.worker_id, now)
+            actions = self.core.on_started(ev.request_id, ev.worker_id, now, incarnation=inc)
         elif isinstance(ev, Finished):
-            actions = self.core.on_finished(ev.request_id, ev.worker_id, _usage(ev), now)
+            actions = self.core.on_finished(ev.request_id, ev.worker_id, _usage(ev), now,
+                                            incarnation=inc)
         elif isinstance(ev, Requeue):
-            actions = self.core.on_handed_back(ev.request_id, ev.worker_id, now)
+            actions = self.core.on_handed_back(ev.request_id, ev.worker_id, now,
+                                               incarnation=inc)
         else:
             return
         await self._apply(actions)
@@ -386,6 +302,17 @@ class Dispatcher:
                 log.exception("housekeeping_failed")
 
     async def _housekeeping(self, now: float) -> None:
+        if not self.nc.is_connected:
+            # Cut off from NATS ourselves: workers' silence proves nothing, and no
+            # decision could be carried out anyway. Liveness restarts on reconnect.
+            if not self._cut_off:
+                log.warning("nats_disconnected", pool=self.settings.pool)
+            self._cut_off = True
+            return
+        if self._cut_off:
+            self._cut_off = False
+            self.core.on_reconnected(now)
+            log.info("nats_reconnected", pool=self.settings.pool)
         await self._apply(self.core.tick(now))
         await self._held.keep_alive(now)
         if self.tenants is not None and now >= self._next_reload_ms:
@@ -431,6 +358,10 @@ class Dispatcher:
                     await self._held.settle(held, "term")
                 case act.Nak():
                     await self._held.settle(held, "nak")
+                case act.Defer(delay_ms=delay_ms):
+                    await self._held.settle(held, "nak", delay_s=delay_ms / 1000)
+                case act.CheckStarted(reason=reason):
+                    self._spawn(self._check_started(held, reason))
                 case act.SendError(code=code, message=message, retry_after_ms=retry_ms):
                     log.info("request_ended", request_id=held.request.request_id,
                              tenant=held.request.tenant, code=code.value, reason=message)
@@ -449,6 +380,20 @@ class Dispatcher:
         if wake:
             self._wake.set()
 
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._checks.add(t)
+        t.add_done_callback(self._checks.discard)
+
+    async def _check_started(self, held: Held, reason: str) -> None:
+        """Did a worker ack this request's message (start it) although we never heard
+        Started? The WorkQueue stream deleted the message then: the one record of
+        "started" that survives lost events and broker restarts."""
+        rid = held.request.request_id
+        started = await self._held.was_acked(self.js, self.subjects.requests_stream, held)
+        log.info("start_checked", request_id=rid, reason=reason, started=started)
+        await self._apply(self.core.on_start_checked(rid, started, mono_ms()))
+
     async def _send_error(self, reply_to: str, request_id: str, error: ErrorInfo) -> None:
         chunk = TokenChunk(request_id=request_id, seq=0, error=error)
         try:
@@ -463,22 +408,3 @@ def _usage(ev: Finished) -> ActualUsage | None:
     if u is None:
         return None
     return ActualUsage(u.prompt_tokens, u.completion_tokens, u.kv_token_seconds, u.e2e_ms)
-
-
-def _num_pending(msg: Msg) -> int:
-    try:
-        return int(msg.metadata.num_pending)
-    except Exception:
-        return 0
-
-
-def _redelivered(msg: Msg) -> bool:
-    try:
-        return msg.metadata.num_delivered > 1
-    except Exception:  # not a JetStream message (tests feeding _ingest directly)
-        return False
-
-
-async def _term(msg: Msg) -> None:
-    with contextlib.suppress(Exception):
-        await msg.term()

@@ -43,6 +43,9 @@ class InFlight:
     cancelled: bool = False
     requeue_reason: str | None = None
     fail: ErrorInfo | None = None
+    # The worker fenced itself (its incarnation was declared lost): the request ends
+    # here without publishing anything more; the dispatcher already handed it on.
+    fenced: bool = False
 
     @property
     def request_id(self) -> str:
@@ -50,7 +53,8 @@ class InFlight:
 
     @property
     def stopping(self) -> bool:
-        return self.fail is not None or self.cancelled or self.requeue_reason is not None
+        return (self.fail is not None or self.cancelled or self.requeue_reason is not None
+                or self.fenced)
 
     def signal(self) -> None:
         self.queue.put_nowait(WAKE)

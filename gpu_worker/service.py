@@ -35,6 +35,7 @@ from fairlane.protocol import (
     Requeue,
     WorkItem,
     decode_cancel,
+    decode_heartbeat_ack,
     decode_work_batch,
     encode,
 )
@@ -44,7 +45,8 @@ from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
 from gpu_worker.engine import Engine, EngineDead
 from gpu_worker.epoch import EpochGuard
-from gpu_worker.inflight import InFlight
+from gpu_worker.inflight import InFlight, mono_s
+from gpu_worker.lease import WorkerLease, new_incarnation
 from gpu_worker.serving import RequestServing
 
 log = structlog.get_logger(__name__)
@@ -78,6 +80,12 @@ class Worker(RequestServing):
         self.num_pulls = 0
         self.num_pulls_failed = 0
         self._epochs = EpochGuard()  # newest dispatcher lease epoch seen (fencing)
+        # One incarnation per process start (and per rejoin after fencing): the
+        # dispatcher tells a restart under the same worker id from the old process.
+        self.incarnation = new_incarnation()
+        self._lease = WorkerLease(settings.lease_timeout_ms,
+                                  abandon_after_ms=settings.abandon_after_ms)
+        self.num_fenced = 0
         self.log = log.bind(worker_id=self.worker_id, pool=settings.pool)
 
     # --- lifecycle ----------------------------------------------------------------
@@ -108,6 +116,7 @@ class Worker(RequestServing):
         pull_task = asyncio.create_task(self._pull_loop(), name="pull")
         self.log.info(
             "worker_started",
+            incarnation=self.incarnation,
             engine=self.s.engine,
             max_num_seqs=self.s.max_num_seqs,
             prefetch_seqs=self.s.prefetch_seqs,
@@ -146,7 +155,7 @@ class Worker(RequestServing):
         self._draining = True
         self._drain_event.set()
         self._slot_event.set()
-        await self._heartbeat()
+        await self._heartbeat(timeout_s=0.3)  # stop may be due to NATS being gone
         # An outstanding long-poll may still bring items; they are handed back on arrival.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
@@ -163,12 +172,18 @@ class Worker(RequestServing):
                 self.log.warning("drain_timeout", num_unfinished=len(pending),
                                  drain_timeout_s=self.s.drain_timeout_s)
                 info = ErrorInfo.of(ErrorCode.WORKER_LOST, "worker stopped before finishing")
+                # Without a lease nothing may be published for them: they end silently
+                # (the dispatcher hands them on when it declares this worker lost).
+                valid = self._lease.valid(mono_s())
                 for r in list(self._reqs.values()):
-                    r.fail = info
+                    if valid:
+                        r.fail = info
+                    else:
+                        r.fenced = True
                     r.signal()
                 await asyncio.wait(pending, timeout=5.0)
         await self._wait_background()
-        await self._heartbeat()
+        await self._heartbeat(timeout_s=0.3)
         self.log.info("drain_done", engine_dead=self._dead.is_set())
         # The engine dying mid-drain still means a broken worker: exit non-zero.
         return EXIT_ENGINE_DEAD if self._dead.is_set() else EXIT_OK
@@ -227,12 +242,17 @@ class Worker(RequestServing):
             if room <= 0:
                 await self._slot_event.wait()
                 continue
+            if not self._lease.valid(mono_s()):
+                # No acknowledged heartbeat (yet): take no work we may not report on.
+                await self._lease.wait_changed(0.25)
+                continue
             pull = PullRequest(
                 worker_id=self.worker_id,
                 pool=self.s.pool,
                 max_items=min(room, 4096),
                 free_kv_tokens=free_kv,
                 wait_ms=min(self.s.pull_wait_ms, 60_000),
+                incarnation=self.incarnation,
             )
             self.num_pulls += 1
             try:
@@ -256,6 +276,10 @@ class Worker(RequestServing):
                 for item in batch.items:
                     await self._event(Requeue(request_id=item.request.request_id,
                                               worker_id=self.worker_id, reason="stale_epoch"))
+                continue
+            if pull.incarnation != self.incarnation:
+                # Fenced while the pull was out: that incarnation's work is not ours.
+                self.log.warning("stale_incarnation_batch", num_items=len(batch.items))
                 continue
             if batch.items:
                 self.log.debug("pulled", num_items=len(batch.items), max_items=pull.max_items)
@@ -295,23 +319,60 @@ class Worker(RequestServing):
         except Exception as exc:  # noqa: BLE001
             self.log.warning("abort_failed", request_id=cancel.request_id, error=repr(exc))
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, timeout_s: float | None = None) -> None:
+        """Report load and work, as a request: the dispatcher's acknowledgement is the
+        worker's lease (`gpu_worker.lease`); "unknown" means fence now."""
         try:
             load = self.engine.load()
         except EngineDead as exc:
             self._engine_died(str(exc))
             return
-        await self._event(
-            Heartbeat(
-                worker_id=self.worker_id,
-                pool=self.s.pool,
-                load=load,
-                in_flight_ids=list(self._reqs),
-                draining=self._draining,
-                interval_ms=self.s.heartbeat_ms,
-                ts_ms=now_ms(),
-            )
+        live = [r for r in self._reqs.values() if not r.fenced]
+        hb = Heartbeat(
+            worker_id=self.worker_id,
+            pool=self.s.pool,
+            load=load,
+            in_flight_ids=[r.request_id for r in live],
+            started_ids=[r.request_id for r in live if r.started],
+            draining=self._draining,
+            interval_ms=self.s.heartbeat_ms,
+            ts_ms=now_ms(),
+            incarnation=self.incarnation,
         )
+        sent_s = mono_s()
+        try:
+            assert self._nc is not None
+            if timeout_s is None:
+                timeout_s = min(2.0, max(0.2, self.s.heartbeat_ms / 1000))
+            msg = await self._nc.request(self.subjects.events(self.s.pool), encode(hb),
+                                         timeout=timeout_s)
+            ack = decode_heartbeat_ack(msg.data)
+        except Exception as exc:  # noqa: BLE001 - no dispatcher, a blip: the lease runs on
+            self.log.debug("heartbeat_unacked", error=repr(exc))
+            ack = None
+        if ack is not None and hb.incarnation == self.incarnation:
+            if not ack.known:
+                await self._fence("declared lost by the dispatcher")
+                return
+            self._lease.renew(sent_s, ack.worker_timeout_ms)
+        if self._reqs and self._lease.should_abandon(mono_s()):
+            await self._fence("no acknowledged heartbeat for too long")
+
+    async def _fence(self, why: str) -> None:
+        """Stop all work without publishing anything for it (the dispatcher handed it
+        elsewhere, or will), and rejoin as a new incarnation."""
+        fenced = [r for r in self._reqs.values() if not r.fenced]
+        old, self.incarnation = self.incarnation, new_incarnation()
+        self._lease.revoke()
+        self.num_fenced += 1
+        self.log.warning("worker_fenced", reason=why, old_incarnation=old,
+                         incarnation=self.incarnation, num_aborted=len(fenced))
+        for r in fenced:
+            r.fenced = True
+            r.signal()
+            with contextlib.suppress(Exception):
+                await self.engine.abort(r.request_id)
+        self._slot_event.set()
 
     async def _heartbeat_loop(self) -> None:
         # A periodic timer is the one place a plain sleep is right.

@@ -32,8 +32,10 @@ from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
 from gpu_worker.engine import Engine, EngineDead, EngineError, GenerationDelta
 from gpu_worker.inflight import WAKE, InFlight, mono_s
+from gpu_worker.lease import WorkerLease
 
 USAGE_PUBLISH_ATTEMPTS = 5
+ACK_TIMEOUT_S = 1.0  # per attempt of the first-token JetStream ack
 
 
 class RequestServing:
@@ -50,6 +52,8 @@ class RequestServing:
     _reqs: dict[str, InFlight]
     _background: set[asyncio.Task]
     _slot_event: asyncio.Event
+    _lease: WorkerLease
+    incarnation: str
 
     def _engine_died(self, reason: str) -> None:
         raise NotImplementedError
@@ -104,13 +108,10 @@ class RequestServing:
                 assert isinstance(ev, GenerationDelta)
                 first = r.add(ev, mono_s())
                 if first:
-                    if r.item.ack_subject:
-                        # Ack the request's JetStream message ourselves at the first
-                        # token, so started work is never replayed even if the
-                        # dispatcher dies before it hears of Started.
-                        await self._nc.publish(r.item.ack_subject, b"+ACK")
+                    if not await self._ack_started(r):
+                        break  # fenced while waiting: nothing more goes out for it
                     await self._event(
-                        Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms())
+                        Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms()), r
                     )
                     self._slot_event.set()  # it left the engine's queue
                 if ev.finish_reason is not None:
@@ -134,8 +135,40 @@ class RequestServing:
             self._reqs.pop(rid, None)
             self._slot_event.set()
 
+    async def _ack_started(self, r: InFlight) -> bool:
+        """Ack the request's JetStream message before its first token goes out, and
+        wait for the server to confirm it: "acked" is the record of "started" that
+        survives a dispatcher crash, lost events and a broker restart, so the
+        dispatcher never requeues (generates twice) what a client has tokens of."""
+        if not r.item.ack_subject:
+            return True
+        delay_s = 0.05
+        while await self._may_publish(r):
+            try:
+                await self._nc.request(r.item.ack_subject, b"+ACK", timeout=ACK_TIMEOUT_S)
+                return True
+            except Exception as exc:  # noqa: BLE001 - a reconnect: retry within the lease
+                self.log.warning("start_ack_failed", request_id=r.request_id, error=repr(exc))
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+        return False
+
+    async def _may_publish(self, r: InFlight | None = None) -> bool:
+        """Wait until the lease lets this worker publish for its work (DESIGN.md
+        section 4); False if `r` was fenced meanwhile (publish nothing for it)."""
+        while not self._lease.valid(mono_s()):
+            if r is not None and r.fenced:
+                return False
+            await self._lease.wait_changed(0.25)
+        return r is None or not r.fenced
+
     async def _finish(self, r: InFlight, outcome: object) -> None:
         rid = r.request_id
+        if r.fenced:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+            self.log.info("request_fenced", request_id=rid)
+            return
         if r.fail is not None:
             await self._end_with_error(r, r.fail)
             return
@@ -143,7 +176,7 @@ class RequestServing:
             with contextlib.suppress(Exception):
                 await self.engine.abort(rid)
             await self._event(
-                Requeue(request_id=rid, worker_id=self.worker_id, reason=r.requeue_reason)
+                Requeue(request_id=rid, worker_id=self.worker_id, reason=r.requeue_reason), r
             )
             self.log.info("requeued", request_id=rid, reason=r.requeue_reason)
             return
@@ -175,9 +208,11 @@ class RequestServing:
             return
         usage = r.usage(self.worker_id, outcome.finish_reason)
         await self._flush(r, finish_reason=outcome.finish_reason, usage=usage)
-        await self._event(
-            Finished(request_id=rid, worker_id=self.worker_id, usage=usage, ts_ms=usage.ts_ms)
-        )
+        if not await self._event(
+            Finished(request_id=rid, worker_id=self.worker_id, usage=usage, ts_ms=usage.ts_ms),
+            r,
+        ):
+            return  # fenced: the dispatcher handed it elsewhere; never bill it here
         self._publish_usage(usage)
         self.log.info(
             "request_finished",
@@ -196,15 +231,17 @@ class RequestServing:
     ) -> None:
         usage = r.usage(self.worker_id, finish_reason)
         await self._flush(r, error=error, usage=usage)
-        await self._event(
+        if not await self._event(
             Finished(
                 request_id=r.request_id,
                 worker_id=self.worker_id,
                 usage=usage,
                 error=error,
                 ts_ms=usage.ts_ms,
-            )
-        )
+            ),
+            r,
+        ):
+            return
         if usage.completion_tokens > 0:
             self._publish_usage(usage)  # tokens were generated: the tenant is metered
         self.log.info(
@@ -224,6 +261,8 @@ class RequestServing:
         error: ErrorInfo | None = None,
     ) -> None:
         req = r.item.request
+        if not await self._may_publish(r):
+            return
         chunk = r.take_chunk(finish_reason=finish_reason, usage=usage, error=error)
         try:
             assert self._nc is not None
@@ -233,12 +272,18 @@ class RequestServing:
 
     # --- events and usage ------------------------------------------------------------
 
-    async def _event(self, evt: msgspec.Struct) -> None:
+    async def _event(self, evt: msgspec.Struct, r: InFlight | None = None) -> bool:
+        """Publish a worker event for our work, within the lease. False: `r` was
+        fenced while waiting, and nothing was published."""
+        if not await self._may_publish(r):
+            return False
+        evt.incarnation = self.incarnation  # type: ignore[attr-defined]
         try:
             assert self._nc is not None
             await self._nc.publish(self.subjects.events(self.s.pool), encode(evt))
         except Exception as exc:  # noqa: BLE001
             self.log.warning("event_publish_failed", event=type(evt).__name__, error=repr(exc))
+        return True
 
     def _publish_usage(self, usage: Usage) -> None:
         t = asyncio.create_task(self._publish_usage_now(usage))

@@ -27,6 +27,7 @@ from fairlane.protocol import (
     ErrorCode,
     Finished,
     Heartbeat,
+    HeartbeatAck,
     PullRequest,
     Requeue,
     Started,
@@ -69,6 +70,10 @@ class FakeDispatcher:
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.sub = None
+        self.lost_incarnations: set[str] = set()  # answered "unknown" (fencing tests)
+
+    def knows(self, incarnation: str) -> bool:
+        return incarnation not in self.lost_incarnations
 
     async def start(self) -> FakeDispatcher:
         self.sub = await self.nc.subscribe(f"{self.subjects.prefix}.>", cb=self._on_msg)
@@ -104,6 +109,9 @@ class FakeDispatcher:
         elif kind == "evt":
             evt = decode_event(msg.data)
             self.events.append(evt)
+            if isinstance(evt, Heartbeat) and msg.reply:  # the worker's lease
+                await msg.respond(encode(HeartbeatAck(known=self.knows(evt.incarnation),
+                                                      worker_timeout_ms=3_500)))
             if isinstance(evt, Finished | Requeue):
                 self.done.add(evt.request_id)
         elif kind == "inbox":
@@ -327,18 +335,23 @@ async def test_drain_timeout_gives_started_requests_worker_lost(nats_server, uid
 
 
 async def test_worker_waits_for_a_dispatcher(nats_server, nc, uid):
-    """No responders on the work subject: the worker backs off and retries."""
+    """No dispatcher acknowledges its heartbeats: the worker takes no work it could not
+    report on (no pulls), and starts pulling once one answers."""
     subjects = Subjects(f"t{uid}")
     async with worker_running(nats_server, uid) as (worker, *_):
-        retried = asyncio.Event()
+        beats = 0
+        unacked = asyncio.Event()
 
         async def on_heartbeat(_msg: Msg) -> None:
-            if worker.num_pulls_failed >= 2:
-                retried.set()
+            nonlocal beats
+            beats += 1
+            if beats >= 3:
+                unacked.set()
 
         hb_sub = await nc.subscribe(subjects.events(POOL), cb=on_heartbeat)
-        await asyncio.wait_for(retried.wait(), 10)  # no dispatcher yet: it retried
+        await asyncio.wait_for(unacked.wait(), 10)  # heard, but nobody acknowledged
         await hb_sub.unsubscribe()
+        assert worker.num_pulls == 0
         d = await FakeDispatcher(nc, subjects).start()
         try:
             d.add(work_item(subjects, "late", out=3))

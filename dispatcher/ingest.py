@@ -1,0 +1,162 @@
+"""The dispatcher's ingest: JetStream consumers, fetching, decoding and checking.
+
+A request's JetStream message is fetched, decoded and checked here, then handed to
+the pure core (`PoolCore.submit`), whose actions the shell executes. Split from
+`dispatcher.service` (`Dispatcher` mixes it in) for size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import nats
+import structlog
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from dispatcher import metrics
+from dispatcher.held import Held
+from dispatcher.scheduler.types import QueuedRequest
+from fairlane.protocol import ErrorCode, ProtocolError, decode_request, peek_reply_fields
+from fairlane.runtime import mono_ms, now_ms
+from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
+from fairlane.validation import check_request, estimate_prompt_tokens
+
+if TYPE_CHECKING:
+    from dispatcher.config import DispatcherSettings
+    from dispatcher.held import HeldMessages
+    from dispatcher.scheduler.pool import PoolCore
+
+log = structlog.get_logger("dispatcher.service")
+
+
+class Ingest:
+    """Mixin of `dispatcher.service.Dispatcher`: consuming FL_REQUESTS."""
+
+    settings: DispatcherSettings
+    subjects: Subjects
+    core: PoolCore
+    _held: HeldMessages
+    _wake: asyncio.Event
+    js: Any
+    limits: Any
+
+    async def _consumer(self, tier: str):
+        """One durable pull consumer per tier: a free-tier backlog never blocks paid
+        fetches, because each tier's loop fetches on its own."""
+        s = self.settings
+        name = f"disp_{s.pool}_{tier}"
+        cfg = ConsumerConfig(
+            durable_name=name, name=name,
+            filter_subject=self.subjects.requests_tier(s.pool, tier),
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+            ack_wait=s.ack_wait_s, max_ack_pending=s.max_held_messages, max_deliver=-1,
+            max_waiting=16,
+        )
+        stream = self.subjects.requests_stream
+        await self.js.add_consumer(stream, config=cfg)
+        return await self.js.pull_subscribe_bind(durable=name, stream=stream)
+
+
+    async def _fetch_loop(self, tier: str, sub) -> None:
+        s = self.settings
+        while True:
+            # Backpressure: past the bound, leave messages in JetStream.
+            room = s.max_held_messages - len(self._held)
+            if room <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                # Wait for the first message alone: a batched fetch that got one message
+                # keeps waiting for the rest of its batch until its deadline, which
+                # would hold a lone request for up to the whole timeout.
+                msgs = await sub.fetch(1, timeout=1.0)
+                # Then take what is already waiting, asking for exactly that many so
+                # the fetch returns as soon as they arrive.
+                pending = _num_pending(msgs[0])
+                if room > 1 and pending > 0:
+                    with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
+                        msgs += await sub.fetch(min(s.fetch_batch, room - 1, pending),
+                                                timeout=0.05)
+            except (nats.errors.TimeoutError, TimeoutError):
+                # nats-py raises either on an idle fetch; neither is a failure, and
+                # backing off here would delay the next request by the back-off.
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection blips: retry, never die
+                log.warning("fetch_failed", tier=tier, error=repr(exc))
+                await asyncio.sleep(0.2)
+                continue
+            for msg in msgs:
+                await self._ingest(msg)
+            self._wake.set()
+
+    async def _ingest(self, msg: Msg) -> None:
+        metrics.INGESTED.inc()
+        try:
+            req = decode_request(msg.data)
+            pool, tier, tenant = Subjects.parse_request(msg.subject)
+            if (req.pool, req.tier, req.tenant) != (pool, tier, tenant):
+                raise ProtocolError(
+                    f"body says {req.pool}/{req.tier}/{req.tenant} but subject is {msg.subject}",
+                    ErrorCode.INVALID_REQUEST,
+                )
+            check_request(req, self.limits)
+        except ProtocolError as exc:
+            rid, reply = peek_reply_fields(msg.data)
+            if reply is None and msg.headers:
+                reply = msg.headers.get(REPLY_HEADER)
+            if reply is not None:
+                try:
+                    check_reply_subject(reply)
+                except ProtocolError:
+                    reply = None
+            log.warning("request_refused", subject=msg.subject, request_id=rid,
+                        code=exc.code.value, error=exc.message)
+            metrics.REJECTED.labels(reason=exc.code.value).inc()
+            if reply:
+                await self._send_error(reply, rid or "", exc.info())
+            await _term(msg)
+            return
+
+        known = self._held.get(req.request_id)
+        if known is not None:
+            # A redelivery of a request we already hold: keep the newest handle.
+            self._held.redelivered(known, msg, mono_ms())
+            return
+
+        now = mono_ms()
+        deadline = None
+        if req.deadline_ms is not None:
+            deadline = now + (req.deadline_ms - now_ms())
+        q = QueuedRequest(
+            request_id=req.request_id, tenant=req.tenant, tier=req.tier,
+            prompt_tokens=estimate_prompt_tokens(req), max_output_tokens=req.sampling.max_tokens,
+            expected_output_tokens=req.expected_output_tokens or req.sampling.max_tokens,
+            priority=req.priority, arrival_ms=now, deadline_ms=deadline,
+            ttft_budget_ms=req.ttft_budget_ms, attempt=req.attempt,
+        )
+        q.payload = Held(msg, req, now)
+        await self._apply(self.core.submit(q, now, redelivered=_redelivered(msg)))
+
+
+def _num_pending(msg: Msg) -> int:
+    try:
+        return int(msg.metadata.num_pending)
+    except Exception:
+        return 0
+
+
+def _redelivered(msg: Msg) -> bool:
+    try:
+        return msg.metadata.num_delivered > 1
+    except Exception:  # not a JetStream message (tests feeding _ingest directly)
+        return False
+
+
+async def _term(msg: Msg) -> None:
+    with contextlib.suppress(Exception):
+        await msg.term()
