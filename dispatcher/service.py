@@ -25,6 +25,7 @@ from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
 from dispatcher.held import Held, HeldMessages
 from dispatcher.ingest import Ingest
+from dispatcher.janitor import Janitor
 from dispatcher.leader import LeaderLease, pool_lease
 from dispatcher.queries import answer_info, answer_status
 from dispatcher.scheduler import actions as act
@@ -146,6 +147,10 @@ class Dispatcher(Ingest):
             self.subjects.status(s.pool), queue="dispatchers", cb=partial(answer_status, self)))
         self._tasks.append(asyncio.create_task(self._match_loop()))
         self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
+        self.janitor = Janitor(
+            self.js, self.subjects, s.pool, lambda: [t.name for t in self.scheduler.config.tiers],
+            self.nc.publish, stranded_after_s=s.stranded_after_s)
+        self._tasks.append(asyncio.create_task(self._janitor_loop()))
         # Ready = reachable: the server has our subscriptions (a pull on another
         # connection right after a takeover would otherwise find no responders).
         await self.nc.flush(timeout=5)
@@ -289,6 +294,19 @@ class Dispatcher(Ingest):
         await self._apply(self.core.on_cancel(cancel.request_id, cancel.reason, mono_ms()))
 
     # --- housekeeping ------------------------------------------------------------------
+
+    async def _janitor_loop(self) -> None:
+        """Answer requests on subjects nobody serves (`dispatcher.janitor`)."""
+        while True:
+            await asyncio.sleep(self.settings.janitor_every_s)
+            if self.lease is not None and not self.lease.leading():
+                continue
+            try:
+                await self.janitor.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a blip: the next sweep tries again
+                log.warning("janitor_sweep_failed", error=repr(exc))
 
     async def _housekeeping_loop(self) -> None:
         period_s = self.settings.housekeeping_ms / 1000
