@@ -95,6 +95,7 @@ class PoolCore:
         self._grace_until_ms = 0.0
         self._deferred: dict[str, QueuedRequest] = {}  # redeliveries handed back in grace
         self._checking: dict[str, str] = {}  # request id -> why its start is being checked
+        self._forget_deferred_ms = 0.0
 
     # --- restart grace -----------------------------------------------------------------
 
@@ -113,13 +114,15 @@ class PoolCore:
     def submit(self, req: QueuedRequest, now_ms: float, redelivered: bool = False) -> list[Action]:
         """A decoded, checked request from JetStream. Returns [Hold] if it waits here,
         the refusal actions if not, [] for a duplicate of one already known."""
-        if redelivered and self.in_grace(now_ms) and (
-                req.request_id in self._deferred or not self.scheduler.is_known(req.request_id)):
+        rid = req.request_id
+        if redelivered and self.in_grace(now_ms) and not self.scheduler.is_known(rid):
             # Maybe a worker already runs it: decide once heartbeats had their chance.
             # Handed back, not held: a crash now must not park it for ack_wait again.
-            self._deferred[req.request_id] = req
+            self._deferred[rid] = req
             return [Defer(req, self._grace_until_ms - now_ms + self.defer_margin_ms)]
-        if self.is_known(req.request_id):
+        # A deferred one is back after the grace (or published again): admit it now.
+        self._deferred.pop(rid, None)
+        if self.scheduler.is_known(rid):
             return []
         ended = self._ended_entry(req.request_id, now_ms)
         if ended is not None and req.attempt <= ended.attempt and redelivered:
@@ -362,6 +365,8 @@ class PoolCore:
         out: list[Action] = []
         if self._grace_until_ms and now_ms >= self._grace_until_ms:
             out.extend(self._end_grace(now_ms))
+        elif self._deferred and not self._grace_until_ms and now_ms >= self._forget_deferred_ms:
+            self._deferred.clear()  # long back, or taken by another dispatcher
         for error in (*self.scheduler.expire(now_ms), *self.scheduler.shed(now_ms)):
             out += [error, Term(error.request, error.code.value)]
         for w in self.workers.dead_workers(now_ms):
@@ -370,10 +375,11 @@ class PoolCore:
 
     def _end_grace(self, now_ms: float) -> list[Action]:
         """The deferred redeliveries come back from JetStream by themselves; from now
-        on they are admitted (or adopted, if a live worker reports them)."""
+        on they are admitted (or adopted, if a live worker reports them). Until they
+        are back, status still says "queued" (a silent client must not give up)."""
         self._grace_until_ms = 0.0
-        deferred, self._deferred = self._deferred, {}
-        return [Released(len(deferred))] if deferred else []
+        self._forget_deferred_ms = now_ms + self.ended_ttl_ms
+        return [Released(len(self._deferred))] if self._deferred else []
 
     def _worker_lost(self, w: WorkerState, now_ms: float) -> list[Action]:
         out: list[Action] = []
