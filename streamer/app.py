@@ -6,7 +6,8 @@ client submits every request and applies the rate limits with the app's limiter.
 
 Routes
     POST /v1/completions, /v1/chat/completions   OpenAI-compatible (SSE when stream=true)
-    GET  /v1/models                              the pools of the tenants file
+    GET  /v1/models                              the pools of the tenants file (the key may use)
+    GET  /v1/models/{id}                         one of them (404 model_not_found otherwise)
     WS   /v1/stream                              websocket proxy (see streamer.schema)
     GET  /healthz                                liveness: the process is serving
     GET  /readyz                                 NATS connected and streams present
@@ -160,10 +161,16 @@ def create_app(
     async def models(request: Request) -> Response:
         return await request.app.state.api.models(request)
 
+    async def model(request: Request) -> Response:
+        return await request.app.state.api.model(request)
+
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        # `path`: an id with a slash (org/model, as OpenAI clients name models) is an
+        # unknown model (404 model_not_found), not an unknown route.
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         WebSocketRoute("/v1/stream", websocket_endpoint),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

@@ -11,6 +11,8 @@ carry the same code and message.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -103,14 +105,54 @@ class EdgeError(FairlaneError):
         }
 
 
-def validation_message(exc: msgspec.ValidationError | msgspec.DecodeError) -> tuple[str, str | None]:
-    """A caller-facing message and the offending parameter from a msgspec error."""
+_KIND_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "a boolean", "array": "an array", "object": "an object", "null": "null"}
+_BOUND = re.compile(r"^Expected `(?P<kind>\w+)` (?P<op>[<>]=?) (?P<bound>\S+)$")
+_LENGTH = re.compile(r"^Expected `(?P<kind>\w+)` of length (?P<op>[<>]=?) (?P<n>\d+)$")
+_TYPE = re.compile(r"^Expected `(?P<expected>[^`]+)`, got `(?P<got>\w+)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]+)`$")
+_INVALID = re.compile(r"^Invalid (?:enum )?value (?P<value>.+)$")
+
+
+def validation_message(exc: msgspec.ValidationError | msgspec.DecodeError,
+                       choices: Mapping[str, Sequence[str]] | None = None,
+                       ) -> tuple[str, str | None]:
+    """A caller-facing message and the offending parameter from a msgspec error, in
+    words that say what is allowed ("temperature must be a number <= 2.0").
+    `choices`: a field's allowed values by its name, for "invalid value" errors."""
     text = str(exc)
     param = None
-    if " - at `$." in text:
-        msg, _, path = text.rpartition(" - at `$.")
-        param = path.rstrip("`")
-        text = f"{param}: {msg}"
-    elif text.startswith("Object contains unknown field"):
-        param = text.rsplit("`", 2)[-2] if text.count("`") >= 2 else None
-    return text, param
+    if " - at `$" in text:
+        text, _, path = text.rpartition(" - at `$")
+        param = path.rstrip("`").lstrip(".") or None
+    if m := _MISSING.match(text):
+        param = f"{param}.{m['field']}" if param else m["field"]
+        return f"missing required field '{param}'", param
+    if m := _UNKNOWN.match(text):
+        param = f"{param}.{m['field']}" if param else m["field"]
+        return f"unknown field '{param}'", param
+    phrase = _phrase(text, param, choices or {})
+    return (f"{param} {phrase}" if param else phrase), param
+
+
+def _phrase(text: str, param: str | None, choices: Mapping[str, Sequence[str]]) -> str:
+    if m := _BOUND.match(text):
+        return f"must be {_KIND_WORDS.get(m['kind'], m['kind'])} {m['op']} {m['bound']}"
+    if m := _LENGTH.match(text):
+        unit = "characters" if m["kind"] == "str" else "items"
+        if m["op"] == ">=" and m["n"] == "1":
+            return "must not be empty"
+        most = "at most" if m["op"].startswith("<") else "at least"
+        return f"must have {most} {m['n']} {unit}"
+    if m := _TYPE.match(text):
+        kinds = [_KIND_WORDS.get(k.strip(), k.strip()) for k in m["expected"].split("|")]
+        wanted = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " or " + kinds[-1]
+        verb = "must be" if param else "expected"
+        return f"{verb} {wanted}, got {_KIND_WORDS.get(m['got'], m['got'])}"
+    if m := _INVALID.match(text):
+        leaf = (param or "").rsplit(".", 1)[-1]
+        allowed = choices.get(leaf)
+        hint = f" (expected one of: {', '.join(allowed)})" if allowed else ""
+        return f"has an invalid value {m['value']}{hint}"
+    return text[:1].lower() + text[1:]

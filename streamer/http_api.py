@@ -1,4 +1,11 @@
-"""OpenAI-compatible HTTP: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+"""OpenAI-compatible HTTP: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/v1/models/{id}``.
+
+As in vLLM's OpenAI server, a body field the schema does not know is ignored, not
+refused: the answer carries ``X-Fairlane-Ignored-Fields: a,b`` and the streamer logs
+``ignored_request_fields`` (once per tenant, endpoint and set of fields, so a client
+that always sends one extra field does not flood the log). A known feature the fleet
+cannot honour is a 400 naming it (`streamer.schema`).
 
 Non-streaming answers are one JSON body; ``"stream": true`` answers Server-Sent
 Events, one ``data: {chunk}`` per token chunk, ending with ``data: [DONE]``. An error
@@ -11,6 +18,7 @@ overflowed) gets the ``slow_consumer`` error event and its request is cancelled.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +32,7 @@ from fairlane.errors import ErrorCode, FairlaneError
 from producer.client import RequestError, RequestStream
 from streamer import metrics
 from streamer.errors import BODY_TOO_LARGE, EdgeError, validation_message
-from streamer.schema import decode_chat, decode_completion
+from streamer.schema import FIELD_CHOICES, decode_chat, decode_completion, ignored_fields
 from streamer.service import Edge, Principal, usage_dict
 
 log = structlog.get_logger(__name__)
@@ -66,10 +74,25 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
-        msg, param = validation_message(exc)
+        msg, param = validation_message(exc, FIELD_CHOICES)
         raise EdgeError(f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
         raise EdgeError(f"request body is not valid JSON: {exc}") from None
+
+
+IGNORED_HEADER = "X-Fairlane-Ignored-Fields"
+_MAX_NAMES_IN_HEADER = 16
+_HEADER_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]]{1,64}$")
+_MAX_WARNED = 4096
+
+
+def ignored_header(names: list[str]) -> str:
+    """The header value: names a header can carry (no control characters, commas or
+    non-ASCII from a hostile body), at most `_MAX_NAMES_IN_HEADER`, and a count of the
+    rest; the log line has them all."""
+    shown = [n for n in names if _HEADER_NAME_RE.match(n)][:_MAX_NAMES_IN_HEADER]
+    rest = len(names) - len(shown)
+    return ",".join(shown + ([f"+{rest} more"] if rest else []))
 
 
 def _finish(reason: str | None) -> str:
@@ -77,24 +100,40 @@ def _finish(reason: str | None) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
+def model_object(model_id: str) -> dict[str, Any]:
+    """OpenAI's model object; a model is a pool of the tenants file."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "fairlane"}
+
+
 class OpenAIApi:
     def __init__(self, edge: Edge, max_body_bytes: int) -> None:
         self.edge = edge
         self.max_body_bytes = max_body_bytes
+        # (tenant, endpoint, fields) already warned about; bounded, cleared when full.
+        self._warned: set[tuple[str, str, tuple[str, ...]]] = set()
 
     def principal(self, request: Request) -> Principal:
         return self.edge.authenticate(request.headers.get("authorization"))
 
     async def models(self, request: Request) -> Response:
+        """The pools this key may use (the ones a request naming them would reach)."""
         try:
-            self.principal(request)
+            principal = self.principal(request)
         except EdgeError as err:
             return error_response(err)
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "fairlane"}
-            for m in self.edge.models()
-        ]
+        data = [model_object(m) for m in self.edge.models()
+                if principal.record is None or principal.record.allows_pool(m)]
         return json_response({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the model object, or 404 ``model_not_found``."""
+        try:
+            principal = self.principal(request)
+            model_id = request.path_params["model_id"]
+            self.edge.check_model(principal, model_id)
+        except EdgeError as err:
+            return error_response(err)
+        return json_response(model_object(model_id))
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
@@ -103,11 +142,31 @@ class OpenAIApi:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: Request, chat: bool) -> Response:
+        ignored: list[str] = []
+        response = await self._answer(request, chat, ignored)
+        if ignored:
+            response.headers[IGNORED_HEADER] = ignored_header(ignored)
+        return response
+
+    def _note_ignored(self, tenant: str, endpoint: str, names: list[str]) -> None:
+        key = (tenant, endpoint, tuple(names))
+        if key in self._warned:
+            return
+        if len(self._warned) >= _MAX_WARNED:
+            self._warned.clear()
+        self._warned.add(key)
+        log.warning("ignored_request_fields", tenant=tenant, endpoint=endpoint, fields=names)
+
+    async def _answer(self, request: Request, chat: bool, ignored: list[str]) -> Response:
         endpoint = "chat" if chat else "completions"
+        decoder = decode_chat if chat else decode_completion
         try:
             principal = self.principal(request)
             body = await read_body(request, self.max_body_bytes)
-            req: Any = decode_body(decode_chat if chat else decode_completion, body)
+            req: Any = decode_body(decoder, body)
+            ignored += ignored_fields(body, decoder.type)
+            if ignored:
+                self._note_ignored(principal.tenant, endpoint, ignored)
             started = time.monotonic()
             stream = await self.edge.start(principal, req, endpoint, req.model)
         except FairlaneError as err:

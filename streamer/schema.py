@@ -1,11 +1,19 @@
 """Client-facing request schemas: OpenAI-compatible HTTP bodies and websocket frames.
 
 These are *not* NATS wire messages (those live in `fairlane/protocol.py`); they are
-what a public client sends and receives. Unknown fields are refused, so a typo in a
-parameter name is a 400 that names it, never a silently ignored setting. The schemas
-check types and shapes only; each maps its body ONCE, with `to_spec`, into the
-producer library's `RequestSpec`, whose cross-field rules (exactly one prompt form,
-non-empty prompt, the pool's limits) `fairlane.validation.check_request` owns.
+what a public client sends and receives. The schemas check types and shapes only; each
+maps its body ONCE, with `to_spec`, into the producer library's `RequestSpec`, whose
+cross-field rules (exactly one prompt form, non-empty prompt, the pool's limits)
+`fairlane.validation.check_request` owns.
+
+OpenAI bodies follow vLLM's OpenAI server: a field the schema does not know is
+accepted and ignored (`ignored_fields` names them; the HTTP API logs a warning and
+answers with an ``X-Fairlane-Ignored-Fields`` header), because SDKs and frameworks add
+fields faster than any server learns them. A known OpenAI feature the fleet cannot
+honour (tools, n > 1, logprobs, penalties, a JSON response format, ...) is a 400 that
+names it and says what is accepted; at its neutral value (``n: 1``,
+``presence_penalty: 0``, ``tools: []``) it is accepted. Websocket frames are fairlane's
+own protocol and stay strict: an unknown field there is an error naming it.
 
 Websocket protocol on ``/v1/stream`` (JSON text frames; several requests may be in
 flight on one socket, each keyed by the client's own ``id``):
@@ -37,7 +45,7 @@ Websocket close codes (server -> client):
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -69,17 +77,28 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
-class ChatMessageIn(Struct, kw_only=True, forbid_unknown_fields=True):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+# Allowed values by field name, for error messages ("expected one of: ...").
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {"role": get_args(Role)}
+
+
+class ChatMessageIn(Struct, kw_only=True):
+    """A chat message of an OpenAI body (other fields, e.g. ``tool_calls``, ignored)."""
+
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
+class WsChatMessage(ChatMessageIn, forbid_unknown_fields=True):
+    """A chat message of a websocket frame (strict, like the frame)."""
+
+
+class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
-class _Knobs(Struct, kw_only=True, forbid_unknown_fields=True):
+class _Knobs(Struct, kw_only=True):
     """Sampling and scheduling knobs every request body shares, mapped in one place.
     A new sampling knob is a field here and a line in `_spec`."""
 
@@ -106,21 +125,72 @@ class _Common(_Knobs, kw_only=True):
     model: ModelName
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] = 1  # one choice per request
     user: Annotated[str, Meta(max_length=256)] | None = None
-    presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None  # unsupported
-    frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None  # unsupported
+    # OpenAI (and vLLM) parameters the fleet cannot honour: accepted at their neutral
+    # value, refused with a 400 naming them otherwise (see `_refuse_unsupported`), so a
+    # client never gets an answer generated without what it asked for.
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # only means something with tools
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            _unsupported("n", f"n = {self.n} is not supported: one choice per request "
+                              f"(only n = 1 is accepted)")
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
+                              ("min_p", 0), ("repetition_penalty", 1)):
+            if getattr(self, name) not in (None, neutral):
+                _unsupported(name, f"{name} is not supported (only {neutral} is accepted)")
+        if self.top_k not in (None, 0, -1):
+            _unsupported("top_k", "top_k is not supported (only -1 or 0, no limit, is "
+                                  "accepted); top_p is")
+        if self.logit_bias:
+            _unsupported("logit_bias", "logit_bias is not supported (only an empty map is "
+                                       "accepted)")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                _unsupported(name, f"{name} (tool / function calling) is not supported: this "
+                                   f"fleet generates plain text")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                _unsupported(name, f"{name} is not supported (tool / function calling is "
+                                   f"not; only 'none' or 'auto' is accepted)")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            _unsupported("response_format", f"response_format {kind!r} is not supported "
+                                            f"(only 'text' is accepted)")
 
 
 class CompletionRequest(_Common):
     # A string, a one-element list of strings, or a list of token ids.
     prompt: str | Annotated[list[str | Annotated[int, Meta(ge=0)]], Meta(min_length=1)]
     echo: bool = False
-    logprobs: None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     def to_spec(self, *, tenant: str, tier: str, pool: str, default_max_tokens: int) -> RequestSpec:
+        self._refuse_unsupported()
         if self.echo:
-            raise EdgeError("echo is not supported", param="echo")
+            _unsupported("echo", "echo is not supported (only false is accepted)")
+        if self.logprobs is not None:
+            _unsupported("logprobs", "logprobs are not supported (only null is accepted)")
+        if self.best_of not in (None, 1):
+            _unsupported("best_of", f"best_of = {self.best_of} is not supported (only 1 is "
+                                    f"accepted)")
+        if self.suffix:
+            _unsupported("suffix", "suffix (insertion) is not supported (only an empty "
+                                   "suffix is accepted)")
         p = self.prompt
         if isinstance(p, str):
             content: dict = {"prompt": p}
@@ -138,21 +208,30 @@ class CompletionRequest(_Common):
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1, max_length=1024)]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def to_spec(self, *, tenant: str, tier: str, pool: str, default_max_tokens: int) -> RequestSpec:
+        self._refuse_unsupported()
         if self.logprobs:
-            raise EdgeError("logprobs are not supported", param="logprobs")
+            _unsupported("logprobs", "logprobs are not supported (only false is accepted)")
+        if self.top_logprobs:
+            _unsupported("top_logprobs", "top_logprobs is not supported (only 0 is accepted)")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return self._spec(tenant=tenant, tier=tier, pool=pool, max_tokens=max_tokens,
                           messages=chat_messages(self.messages))
 
 
-class WsRequest(_Knobs, kw_only=True, tag="request", tag_field="type"):
+def _unsupported(param: str, message: str) -> None:
+    raise EdgeError(message, param=param)
+
+
+class WsRequest(_Knobs, kw_only=True, tag="request", tag_field="type",
+                forbid_unknown_fields=True):
     id: ClientId
     model: ModelName | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessageIn], Meta(min_length=1, max_length=1024)] | None = None
+    messages: Annotated[list[WsChatMessage], Meta(min_length=1, max_length=1024)] | None = None
     prompt_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     return_token_ids: bool = False
 
@@ -174,6 +253,32 @@ ClientFrame = WsRequest | WsCancel
 decode_client_frame = msgspec.json.Decoder(ClientFrame)
 decode_completion = msgspec.json.Decoder(CompletionRequest)
 decode_chat = msgspec.json.Decoder(ChatCompletionRequest)
+
+_raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_raw_objects = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+
+
+def ignored_fields(body: bytes, typ: type[Struct]) -> list[str]:
+    """The fields of an OpenAI body (already decoded as `typ`) that the schema does not
+    know and so ignores: top-level names, ``messages[].x`` and ``stream_options.x``.
+    Reading keys only (values stay raw) keeps this cheap next to the decode itself."""
+    try:
+        top = _raw_object.decode(body)
+    except msgspec.DecodeError:
+        return []
+    out = {k for k in top if k not in typ.__struct_fields__}
+    nested = {"messages": (_raw_objects, ChatMessageIn, "messages[]."),
+              "stream_options": (_raw_object, StreamOptions, "stream_options.")}
+    for field, (decoder, inner, prefix) in nested.items():
+        if field not in typ.__struct_fields__ or field not in top:
+            continue
+        try:
+            value = decoder.decode(top[field])
+        except msgspec.DecodeError:  # null, or a shape the typed decode accepted
+            continue
+        for obj in value if isinstance(value, list) else [value]:
+            out.update(prefix + k for k in obj if k not in inner.__struct_fields__)
+    return sorted(out)
 
 
 # --- server -> client frames --------------------------------------------------------

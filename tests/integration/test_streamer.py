@@ -17,6 +17,7 @@ import openai
 import pytest
 import websockets
 from openai import AsyncOpenAI
+from structlog.testing import capture_logs
 
 from fairlane.subjects import Subjects
 from fairlane.tenants import hash_api_key
@@ -177,6 +178,51 @@ async def test_openai_sdk_errors(stack):
 async def test_models_list(stack):
     models = await stack.openai().models.list()
     assert sorted(m.id for m in models.data) == ["default", "small"]
+    # beta may use only "default": it neither sees nor retrieves "small"
+    models = await stack.openai(KEY_B).models.list()
+    assert [m.id for m in models.data] == ["default"]
+
+
+async def test_model_retrieve_and_404_in_openai_shape(stack):
+    model = await stack.openai().models.retrieve("small")
+    assert (model.id, model.object, model.owned_by) == ("small", "model", "fairlane")
+    with pytest.raises(openai.NotFoundError) as e:
+        await stack.openai(KEY_B).models.retrieve("small")
+    assert e.value.code == "model_not_found"
+    async with httpx.AsyncClient(base_url=stack.url, timeout=10) as http:
+        auth = {"Authorization": f"Bearer {KEY_A}"}
+        for missing in ("gpt-9", "org/model"):
+            r = await http.get(f"/v1/models/{missing}", headers=auth)
+            assert r.status_code == 404
+            assert r.json() == {"error": {
+                "message": f"the model {missing!r} does not exist",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+        assert (await http.get("/v1/models/default")).status_code == 401
+
+
+async def test_unknown_fields_are_ignored_with_a_header_and_a_warning(stack):
+    body = {"model": "default", "prompt": "n=2", "max_tokens": 4, "bogus": 1,
+            "metadata": {"k": "v"}}
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    async with httpx.AsyncClient(base_url=stack.url, timeout=10) as http:
+        with capture_logs() as logs:
+            r = await http.post("/v1/completions", json=body, headers=auth)
+            again = await http.post("/v1/completions", json=body, headers=auth)
+            plain = await http.post("/v1/completions", headers=auth,
+                                    json={"model": "default", "prompt": "n=1"})
+            sse = await http.post("/v1/completions", json={**body, "stream": True},
+                                  headers=auth)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "xxxx" * 2
+    assert r.headers["x-fairlane-ignored-fields"] == "bogus,metadata"
+    assert again.headers["x-fairlane-ignored-fields"] == "bogus,metadata"
+    assert "x-fairlane-ignored-fields" not in plain.headers
+    assert sse.status_code == 200 and sse.headers["x-fairlane-ignored-fields"] == "bogus,metadata"
+    assert sse.text.endswith("data: [DONE]\n\n")
+    warned = [e for e in logs if e["event"] == "ignored_request_fields"]
+    # once per tenant, endpoint and set of fields: a client that always sends them
+    # does not flood the log
+    assert [(e["tenant"], e["endpoint"], e["fields"], e["log_level"]) for e in warned] == [
+        ("alpha", "completions", ["bogus", "metadata"], "warning")]
 
 
 async def test_rate_limit_429_with_retry_after(stack):
@@ -199,7 +245,10 @@ async def test_bad_http_input_is_4xx_with_clear_message(stack):
             (b"{not json", 400, "not valid JSON"),
             (b"", 400, "empty"),
             (b"[]", 400, "invalid request"),
-            (json.dumps({"model": "default", "prompt": "x", "bogus": 1}).encode(), 400, "bogus"),
+            (json.dumps({"model": "default", "prompt": "x", "tools": [{"type": "function"}]}
+                        ).encode(), 400, "tools"),
+            (json.dumps({"model": "default", "prompt": "x", "presence_penalty": 1}).encode(),
+             400, "presence_penalty is not supported (only 0 is accepted)"),
             (json.dumps({"model": "default", "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
             (json.dumps({"model": "default", "prompt": "x", "n": 2}).encode(), 400, "n"),
             (json.dumps({"model": "default", "prompt": "   "}).encode(), 400, "empty"),
@@ -266,7 +315,9 @@ async def test_websocket_bad_frames_then_good(stack):
         assert f["type"] == "error" and f["id"] is None and "JSON" in f["error"]["message"]
         await ws.send(json.dumps({"type": "request", "id": "x", "prompt": "hi", "tenant": "evil"}))
         f = await recv_json(ws)
-        assert f["type"] == "error" and f["id"] == "x" and "tenant" in f["error"]["message"]
+        # fairlane's own protocol stays strict: an unknown field is named, not ignored
+        assert f["type"] == "error" and f["id"] == "x"
+        assert f["error"]["message"] == "invalid frame: unknown field 'tenant'"
         await ws.send(json.dumps({"type": "request", "id": "y", "prompt": "hi", "top_p": 0}))
         f = await recv_json(ws)
         assert f["error"]["code"] == "invalid_request" and "top_p" in f["error"]["message"]

@@ -9,8 +9,10 @@ import pytest
 
 from fairlane.protocol import ErrorCode, ErrorInfo
 from streamer.errors import EdgeError, validation_message
-from streamer.http_api import decode_body
+from streamer.http_api import decode_body, ignored_header
 from streamer.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
     EndFrame,
     ErrorBody,
     ErrorFrame,
@@ -21,6 +23,7 @@ from streamer.schema import (
     decode_client_frame,
     decode_completion,
     encode_frame,
+    ignored_fields,
 )
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -77,22 +80,126 @@ def test_every_body_maps_sampling_the_same_way():
     assert specs[2].return_token_ids and specs[2].prompt == "p"
 
 
-@pytest.mark.parametrize("body,needle", [
-    (b"{", "not valid JSON"),
-    (b"", "empty"),
-    (b'{"model":"m","prompt":"x","temperature":2.5}', "temperature"),
-    (b'{"model":"m","prompt":"x","top_p":0}', "top_p"),
-    (b'{"model":"m","prompt":"x","n":3}', "n"),
-    (b'{"model":"m","prompt":"x","seed":99999999999999999999999}', "seed"),
-    (b'{"model":"m","prompt":"x","stop":["a","b","c","d","e","f","g","h","i"]}', "stop"),
-    (b'{"model":"m","prompt":"x","tenant":"evil"}', "tenant"),
-    (b'{"model":"m","prompt":"x","presence_penalty":0.5}', "presence_penalty"),
+@pytest.mark.parametrize("body,message", [
+    (b"{", "request body is not valid JSON"),
+    (b"", "request body is empty: expected a JSON object"),
+    (b"[]", "invalid request: expected an object, got an array"),
+    (b'{"prompt":"x"}', "invalid request: missing required field 'model'"),
+    (b'{"model":"m","prompt":"x","temperature":2.5}',
+     "invalid request: temperature must be a number <= 2.0"),
+    (b'{"model":"m","prompt":"x","temperature":"hot"}',
+     "invalid request: temperature must be a number, got a string"),
+    (b'{"model":"m","prompt":"x","top_p":0}', "invalid request: top_p must be a number > 0.0"),
+    (b'{"model":"m","prompt":"x","max_tokens":0}',
+     "invalid request: max_tokens must be an integer >= 1"),
+    (b'{"model":"m","prompt":"x","seed":99999999999999999999999}', "invalid request: seed must be"),
+    (b'{"model":"m","prompt":"x","stop":["a","b","c","d","e","f","g","h","i"]}',
+     "invalid request: stop must have at most 8 items"),
+    (b'{"model":"","prompt":"x"}', "invalid request: model must not be empty"),
+    (b'{"model":"m","prompt":5}',
+     "invalid request: prompt must be a string or an array, got an integer"),
 ])
-def test_bad_bodies_are_400_with_reason(body, needle):
+def test_bad_bodies_are_400_saying_what_is_allowed(body, message):
     with pytest.raises(EdgeError) as e:
         decode_body(decode_completion, body)
     assert e.value.status == 400
-    assert needle in e.value.message
+    assert e.value.message.startswith(message), e.value.message
+
+
+def test_bad_chat_role_lists_the_roles():
+    with pytest.raises(EdgeError) as e:
+        decode_body(decode_chat, b'{"model":"m","messages":[{"role":"robot","content":"x"}]}')
+    assert e.value.param == "messages[0].role"
+    assert e.value.message == ("invalid request: messages[0].role has an invalid value 'robot' "
+                               "(expected one of: system, user, assistant, tool, developer)")
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"n": 3}, "n", "n = 3 is not supported: one choice per request (only n = 1 is accepted)"),
+    ({"presence_penalty": 0.5}, "presence_penalty",
+     "presence_penalty is not supported (only 0 is accepted)"),
+    ({"frequency_penalty": -1}, "frequency_penalty",
+     "frequency_penalty is not supported (only 0 is accepted)"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias", "logit_bias is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools (tool / function calling) is not supported: this fleet generates plain text"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice is not supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "functions (tool / function calling)"),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "response_format 'json_object' is not supported (only 'text' is accepted)"),
+    ({"logprobs": True}, "logprobs", "logprobs are not supported (only false is accepted)"),
+    ({"top_logprobs": 5}, "top_logprobs", "top_logprobs is not supported"),
+    ({"top_k": 40}, "top_k", "top_k is not supported"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty",
+     "repetition_penalty is not supported (only 1 is accepted)"),
+])
+def test_features_the_fleet_cannot_honour_are_400_naming_them(extra, param, message):
+    req = decode_body(decode_chat, json.dumps({**CHAT, **extra}).encode())
+    with pytest.raises(EdgeError) as e:
+        to_spec(req)
+    assert (e.value.status, e.value.param) == (400, param)
+    assert e.value.message.startswith(message), e.value.message
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"),
+    ({"suffix": "tail"}, "suffix"), ({"n": 2}, "n"),
+])
+def test_completion_only_features_are_400_naming_them(extra, param):
+    req = decode_body(decode_completion,
+                      json.dumps({"model": "m", "prompt": "p", **extra}).encode())
+    with pytest.raises(EdgeError) as e:
+        to_spec(req)
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_neutral_values_of_unsupported_features_are_accepted():
+    neutral = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+               "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
+               "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0,
+               "top_k": -1, "min_p": 0, "repetition_penalty": 1, "user": "u"}
+    spec = to_spec(decode_body(decode_chat, json.dumps({**CHAT, **neutral}).encode()))
+    assert spec.messages[0].content == "hi"
+    spec = to_spec(decode_body(decode_completion, json.dumps(
+        {"model": "m", "prompt": "p", "echo": False, "best_of": 1, "suffix": "",
+         "logprobs": None}).encode()))
+    assert spec.prompt == "p"
+
+
+def test_unknown_fields_are_ignored_and_named():
+    body = json.dumps({**CHAT, "tenant": "evil", "metadata": {"a": "b"},
+                       "messages": [{"role": "user", "content": "hi", "refusal": None}],
+                       "stream_options": {"include_usage": True, "include_obfuscation": False},
+                       "temperature": 0.5}).encode()
+    req = decode_body(decode_chat, body)
+    spec = to_spec(req)
+    assert spec.tenant == "acme"  # the tenant never comes from the body
+    assert spec.sampling.temperature == 0.5 and req.stream_options.include_usage
+    assert ignored_fields(body, ChatCompletionRequest) == [
+        "messages[].refusal", "metadata", "stream_options.include_obfuscation", "tenant"]
+    assert ignored_fields(b'{"model":"m","prompt":"x"}', CompletionRequest) == []
+    # `messages` is not a completions field: the whole key is the ignored one.
+    assert ignored_fields(json.dumps({"model": "m", "prompt": "x", "messages": [{"a": 1}]}
+                                     ).encode(), CompletionRequest) == ["messages"]
+
+
+def test_ignored_header_is_safe_and_bounded():
+    assert ignored_header(["a", "messages[].b"]) == "a,messages[].b"
+    assert ignored_header(["ok", "bad\r\nX-Evil: 1", "caf\u00e9", "a,b"]) == "ok,+3 more"
+    names = [f"f{i:02d}" for i in range(20)]
+    assert ignored_header(names) == ",".join(names[:16]) + ",+4 more"
+
+
+def test_websocket_frames_stay_strict():
+    for frame, param in ((b'{"type":"request","id":"a","prompt":"p","bogus":1}', "bogus"),
+                         (b'{"type":"request","id":"a","messages":[{"role":"user","x":1}]}',
+                          "messages[0].x")):
+        with pytest.raises(msgspec.ValidationError) as e:
+            decode_client_frame.decode(frame)
+        assert validation_message(e.value) == (f"unknown field '{param}'", param)
 
 
 def test_error_mapping_and_openai_shape():
