@@ -56,8 +56,10 @@ _REQUESTS_DEFAULTS: dict[str, Any] = dict(
 # when it runs late. The count, not a byte cap, bounds its size because nats-server
 # reserves a stream's `max_bytes` on disk up front: a 10 GiB cap refuses to create the
 # stream on a laptop with less free space, and a test server with a stream per test
-# prefix runs out after a handful. A record is ~300 bytes (at most ~700 with 64-char
-# ids), so 20 million records are ~6 GiB (at most ~14 GiB).
+# prefix runs out after a handful. A record takes ~450 bytes in the store (measured;
+# ~750 with 64-character ids), so 20 million are ~8.5 GiB (at most ~14 GiB). A busy
+# fleet reaches the count first (at 100 requests/s in ~2.3 days): export more often
+# than that (`fairlane usage` says when a period's records were already dropped).
 USAGE_MAX_AGE_S = 90 * _DAY_S
 USAGE_MAX_MSGS = 20_000_000
 _USAGE_DEFAULTS: dict[str, Any] = dict(

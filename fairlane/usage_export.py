@@ -119,6 +119,9 @@ class UsageReport:
     totals: list[UsageTotals]  # sorted by (tenant, pool)
     num_records_read: int  # records the consumer delivered, counted or not
     num_undecodable: int  # records that are not a Usage (skipped, reported on stderr)
+    # Set when the stream's limits (or a purge) already dropped records of the period:
+    # the finish time of the oldest record still kept. Totals before it are incomplete.
+    incomplete_before_ms: int | None = None
 
 
 # --- times ---------------------------------------------------------------------------
@@ -179,6 +182,10 @@ async def read_usage(js: JetStreamContext, subjects: Subjects, since_ms: int, un
     last_seq = info.state.last_seq  # records stored after the export began are left out
     totals: dict[tuple[str, str], UsageTotals] = {}
     report = UsageReport(since_ms, until_ms, tenant, pool, [], 0, 0)
+    if info.state.first_seq > 1:  # records were dropped: were any of this period's?
+        oldest_ms = await _oldest_kept_ms(js, subjects, info.state.first_seq)
+        if oldest_ms is not None and oldest_ms > since_ms:
+            report.incomplete_before_ms = oldest_ms
     if info.state.messages == 0:
         return report
     start = datetime.fromtimestamp((since_ms - STORE_SLACK_MS) / 1000, UTC)
@@ -227,6 +234,16 @@ async def read_usage(js: JetStreamContext, subjects: Subjects, since_ms: int, un
     return report
 
 
+async def _oldest_kept_ms(js: JetStreamContext, subjects: Subjects, first_seq: int
+                         ) -> int | None:
+    """The finish time of the stream's oldest record (None if it cannot be read)."""
+    try:
+        msg = await js.get_msg(subjects.usage_stream, seq=first_seq)
+        return decode_usage(msg.data or b"").ts_ms
+    except (ProtocolError, TimeoutError, nats.errors.Error):
+        return None
+
+
 async def connect(nats_url: str, timeout_s: float) -> nats.NATS:
     """NATS, or UsageReadError naming the URL: a CLI gives up where a service waits."""
     failures: list[Exception] = []
@@ -267,7 +284,10 @@ def render(report: UsageReport, fmt: Literal["csv", "json"]) -> str:
     if fmt == "json":
         return json.dumps({
             "since": format_time(report.since_ms), "until": format_time(report.until_ms),
-            "tenant": report.tenant, "pool": report.pool, "rows": rows,
+            "tenant": report.tenant, "pool": report.pool,
+            "incomplete_before": (format_time(report.incomplete_before_ms)
+                                  if report.incomplete_before_ms else None),
+            "rows": rows,
         }, indent=2) + "\n"
     return _csv(rows)
 
@@ -356,6 +376,11 @@ def cmd_usage(argv: list[str]) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     sys.stdout.write(render(report, q.format))
+    if report.incomplete_before_ms:
+        print(f"{PROG}: warning: the usage stream no longer holds records finished before "
+              f"{format_time(report.incomplete_before_ms)} (dropped by its limits, "
+              f"--usage-max-age-s / --usage-max-msgs): totals from --since to then are "
+              f"incomplete", file=sys.stderr)
     if report.num_undecodable:
         print(f"{PROG}: warning: skipped {report.num_undecodable} record(s) that are not "
               f"usage records", file=sys.stderr)

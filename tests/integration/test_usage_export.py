@@ -187,3 +187,23 @@ async def test_usage_stream_is_bounded_by_default(nc, uid):
     assert cfg.max_msgs == USAGE_MAX_MSGS and cfg.discard == DiscardPolicy.OLD
     await ensure_streams(js, subjects, StreamSettings(usage_max_msgs=1000))
     assert (await js.stream_info(subjects.usage_stream)).config.max_msgs == 1000
+
+
+async def test_a_period_the_stream_already_dropped_is_flagged(nats_server, nc, uid):
+    js, subjects = nc.jetstream(), Subjects(f"t{uid}")
+    await ensure_streams(js, subjects, StreamSettings(usage_max_msgs=3))
+    t0 = now_ms()
+    for i in range(5):  # the first two are dropped by the count bound
+        u = Usage(request_id=f"r{i}", tenant="acme", pool="p", tier="paid",
+                  completion_tokens=1, ts_ms=t0 - (5 - i) * MINUTE_MS)
+        await js.publish(subjects.usage("acme"), encode(u), headers={"Nats-Msg-Id": u.request_id})
+    report = await read_usage(js, subjects, t0 - 10 * MINUTE_MS, t0)
+    assert report.totals[0].num_requests == 3
+    assert report.incomplete_before_ms == t0 - 3 * MINUTE_MS
+    # A period that starts after the oldest record kept is complete.
+    assert (await read_usage(js, subjects, t0 - 2 * MINUTE_MS, t0)).incomplete_before_ms is None
+    out = run_cli("--nats-url", nats_server.url, "--prefix", subjects.prefix,
+                  "--since", format_time(t0 - 10 * MINUTE_MS), "--format", "json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["incomplete_before"] == format_time(t0 - 3 * MINUTE_MS)
+    assert "no longer holds records finished before" in out.stderr

@@ -115,7 +115,7 @@ def test_usage_csv_and_json_shapes():
     assert lines[0] == ",".join(COLUMNS)
     assert lines[1].split(",")[:7] == ["acme", "default", "2", "5", "50", "2", "1.25"]
     body = json.loads(render(report, "json"))
-    assert (body["tenant"], body["pool"]) == (None, "default")
+    assert (body["tenant"], body["pool"], body["incomplete_before"]) == (None, "default", None)
     assert body["rows"][0]["first_record_at"].endswith(".991Z")
     assert body["rows"][0]["last_record_at"].endswith(".995Z")
     assert body["until"] == "2026-11-18T11:06:40.000Z"
