@@ -12,7 +12,8 @@ boundary record must land in exactly one of two adjacent exports.
 The read is an ephemeral pull consumer that starts by time (``by_start_time``) a little
 before ``since`` and stops a little after ``until``, at the last record stored when the
 export began, or at the end of the stream, whichever comes first; so an export over a
-live stream ends, and repeating it over a past period gives the same numbers.
+live stream ends, and repeating it over a past period gives the same numbers (while
+the stream's limits still keep that period: the report says when they do not).
 """
 
 from __future__ import annotations
