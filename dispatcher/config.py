@@ -32,10 +32,10 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     # gets a retryable worker_lost error.
     worker_timeout_ms: PositiveInt = 3_500
     housekeeping_ms: PositiveInt = 200  # period of expiry, shedding and liveness checks
-    # Requests on a tier this pool lacks, or for a pool no dispatcher was seen leading
-    # for this long, get an error and leave the stream (swept every janitor_every_s).
-    stranded_after_s: PositiveFloat = 10.0
-    janitor_every_s: PositiveFloat = 2.0
+    # Requests on a tier this pool lacks get an error and leave the stream at the next
+    # sweep; those for a pool nobody was seen leading, after stranded_after_s.
+    stranded_after_s: PositiveFloat = 10.0  # how long a pool must go unled before its requests are refused
+    janitor_every_s: PositiveFloat = 2.0  # period of the sweep for requests nobody serves
     stop_timeout_s: float = 10.0  # bound on a graceful stop (NATS may be gone)
     max_tokens: PositiveInt = 4096  # largest max_tokens a request may ask for
     max_prompt_chars: PositiveInt = 200_000  # longest prompt accepted, in characters

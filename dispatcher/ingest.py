@@ -132,10 +132,15 @@ class Ingest:
         deadline = None
         if req.deadline_ms is not None:
             deadline = now + (req.deadline_ms - now_ms())
+        # A continuation (resumed after its worker was lost) is charged for what is
+        # left to generate, not again for what its client already has.
+        done = len(req.resume.generated_token_ids) if req.resume is not None else 0
+        expected = req.expected_output_tokens or req.sampling.max_tokens
         q = QueuedRequest(
             request_id=req.request_id, tenant=req.tenant, tier=req.tier,
-            prompt_tokens=estimate_prompt_tokens(req), max_output_tokens=req.sampling.max_tokens,
-            expected_output_tokens=req.expected_output_tokens or req.sampling.max_tokens,
+            prompt_tokens=estimate_prompt_tokens(req) + done,
+            max_output_tokens=max(1, req.sampling.max_tokens - done),
+            expected_output_tokens=max(1, expected - done),
             priority=req.priority, arrival_ms=now, deadline_ms=deadline,
             ttft_budget_ms=req.ttft_budget_ms, attempt=req.attempt,
         )

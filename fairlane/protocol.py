@@ -166,6 +166,9 @@ class Usage(Struct, kw_only=True, omit_defaults=True):
     kv_token_seconds: float = 0.0  # integral of this sequence's KV tokens over time
     finish_reason: str = ""
     ts_ms: int = 0
+    # Which attempt of the request this is the record of (a resumed continuation is
+    # the next attempt; FL_USAGE keeps one record per request id).
+    attempt: int = 0
 
 
 class TokenChunk(Struct, kw_only=True, omit_defaults=True):

@@ -73,6 +73,15 @@ def check_request(req: InferenceRequest, limits: RequestLimits) -> InferenceRequ
             f"prompt has {len(req.prompt_token_ids)} tokens, over the limit of {limits.max_prompt_tokens}",
             ErrorCode.PROMPT_TOO_LONG,
         )
+    if req.resume is not None:
+        r = req.resume
+        if len(r.generated_token_ids) > sp.max_tokens:
+            raise invalid(f"resume carries {len(r.generated_token_ids)} generated tokens, "
+                          f"more than max_tokens {sp.max_tokens}")
+        if any(t < 0 for t in r.generated_token_ids):
+            raise invalid("resume.generated_token_ids must be non-negative")
+        if r.next_seq < 0:
+            raise invalid("resume.next_seq must be >= 0")
     check_reply_subject(req.reply_to)
     return req
 

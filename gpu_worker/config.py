@@ -32,10 +32,10 @@ class WorkerSettings(StreamSettings, kw_only=True):
     heartbeat_ms: Annotated[int, msgspec.Meta(ge=10)] = 1000  # liveness report period
     # The dispatcher's worker timeout, until its first heartbeat ack says otherwise:
     # this worker publishes for its work only within 0.8 x that of its last ack.
-    lease_timeout_ms: Annotated[int, msgspec.Meta(ge=100)] = 3500
+    lease_timeout_ms: Annotated[int, msgspec.Meta(ge=100)] = 3500  # the dispatcher's worker timeout until an ack says it
     # Without any ack for this long past the lease, the dispatcher has surely handed
     # the work elsewhere: abort it silently and rejoin as a new incarnation.
-    abandon_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    abandon_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 10_000  # unacked this long past the lease: abort work, rejoin
     coalesce_ms: int = 5  # never hold a token longer than this before publishing
     pull_wait_ms: int = 1000  # long-poll budget offered to the dispatcher
     drain_timeout_s: float = 30.0  # on stop: how long running requests may finish

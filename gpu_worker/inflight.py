@@ -47,6 +47,12 @@ class InFlight:
     # here without publishing anything more; the dispatcher already handed it on.
     fenced: bool = False
 
+    def __post_init__(self) -> None:
+        resume = self.item.request.resume
+        if resume is not None:
+            # A continuation: the client already has chunks 0 .. next_seq - 1.
+            self.next_seq = resume.next_seq
+
     @property
     def request_id(self) -> str:
         return self.item.request.request_id
@@ -123,4 +129,5 @@ class InFlight:
             kv_token_seconds=d.kv_token_seconds,
             finish_reason=finish_reason,
             ts_ms=now_ms(),
+            attempt=req.attempt,
         )

@@ -23,6 +23,7 @@ import contextlib
 import uuid
 from collections import OrderedDict
 
+import msgspec
 import nats
 import structlog
 from nats.aio.client import Client as NatsClient
@@ -31,6 +32,7 @@ from nats.js.errors import APIError
 
 from fairlane.protocol import (
     Cancel,
+    Continuation,
     ErrorCode,
     ErrorInfo,
     InferenceRequest,
@@ -84,6 +86,7 @@ class FairlaneClient:
         limiter: RateLimiter | None = None,
         silence_s: float = DEFAULT_SILENCE_S,
         max_silence_s: float = DEFAULT_MAX_SILENCE_S,
+        max_resumes: int = 2,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -109,6 +112,11 @@ class FairlaneClient:
         # after `max_silence_s` with nobody vouching it ends with `stream_lost`.
         self.silence_s = silence_s
         self.max_silence_s = max_silence_s
+        # A stream whose worker is lost (or that went silent) resumes on another worker
+        # from the tokens already read, up to this many times, before the caller sees
+        # the retryable error (DESIGN.md section 5b). 0 turns migration off.
+        self.max_resumes = max_resumes
+        self.num_resumes = 0
         self._watchdog: asyncio.Task | None = None
         # request id -> last attempt this client published; and the ids whose last
         # attempt ended with a retryable error, so resubmitting them uses attempt + 1
@@ -402,12 +410,58 @@ class FairlaneClient:
             max_prompt_tokens=info.max_prompt_tokens or self.limits.max_prompt_tokens,
         )
 
+    async def _resume(self, stream: RequestStream, error: ErrorInfo) -> bool:
+        """Continue `stream` on another worker from the tokens it has read: publish
+        its next attempt with a `Continuation`. The stream stays the same object and
+        its chunks continue at the next `seq`. False if the fleet refused it."""
+        base = stream._request
+        assert base is not None
+        req = msgspec.structs.replace(
+            base, attempt=stream.attempt + 1, created_ms=now_ms(),
+            resume=Continuation(generated_token_ids=list(stream._token_ids),
+                                next_seq=stream._next_seq,
+                                num_preemptions=base.resume.num_preemptions if base.resume else 0))
+        # Drop what the failed attempt may still have queued (its error chunk).
+        while not stream._queue.empty():
+            stream._queue.get_nowait()
+        stream.failure = None
+        stream._ended_upstream = False
+        stream._unvouched_since_s = None
+        stream._last_chunk_s = asyncio.get_running_loop().time()
+        stream.attempt = req.attempt
+        stream.num_resumes += 1
+        self.num_resumes += 1
+        log.info("stream_resuming", request_id=req.request_id, attempt=req.attempt,
+                 after=str(error.code), num_tokens=len(stream._token_ids),
+                 next_seq=stream._next_seq)
+        self._streams[req.request_id] = stream
+        try:
+            subject = self.subjects.request(req.pool, req.tier, req.tenant)
+            ack = await self.js.publish(subject, encode(req), headers={
+                "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
+                REPLY_HEADER: req.reply_to,
+            })
+        except Exception as exc:  # the broker refused it: the caller gets the error
+            log.warning("stream_resume_failed", request_id=req.request_id, error=repr(exc))
+            stream.failure = error
+            return False
+        self._remember(req.request_id, req.attempt)
+        if getattr(ack, "duplicate", False):  # this attempt already runs: attach to it
+            log.info("stream_resume_attached", request_id=req.request_id)
+        stream._request = req
+        return True
+
     async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.
         stream = RequestStream(req.request_id, req.tenant, req.pool, self,
                                asyncio.Queue(maxsize=self.max_buffered_chunks),
                                attempt=req.attempt)
         stream._last_chunk_s = asyncio.get_running_loop().time()
+        # Migration needs every output token id: always asked for, shown only if wanted.
+        stream._wants_token_ids = req.return_token_ids
+        req.return_token_ids = True
+        stream._request = req
+        stream._resumes_left = self.max_resumes
         ours = req.request_id in self._attempts
         self._streams[req.request_id] = stream
         try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fairlane.errors import FairlaneError
-from fairlane.protocol import ErrorCode, ErrorInfo, TokenChunk, Usage
+from fairlane.protocol import ErrorCode, ErrorInfo, InferenceRequest, TokenChunk, Usage
 
 if TYPE_CHECKING:
     from producer.client import FairlaneClient
@@ -62,6 +62,16 @@ class RequestStream:
     _unvouched_since_s: float | None = None
     # Its last chunk (finish or error) has arrived, read or not: nothing to watch for.
     _ended_upstream: bool = False
+    # Migration (DESIGN.md section 5b): the request as published, the output token ids
+    # read so far, and how many more times it may be resumed elsewhere after its
+    # worker was lost. The library always asks for token ids (a continuation needs
+    # them); `_wants_token_ids` says whether the caller sees them.
+    _request: InferenceRequest | None = field(default=None, repr=False)
+    _token_ids: list[int] = field(default_factory=list, repr=False)
+    _num_tokens: int = 0
+    _resumes_left: int = 0
+    _wants_token_ids: bool = True
+    num_resumes: int = 0
 
     @property
     def is_done(self) -> bool:
@@ -95,15 +105,32 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[TokenChunk]:
         return self._iterate()
 
+    def _resumable(self, error: ErrorInfo) -> bool:
+        """A lost worker or stream, with every token id read so far known: the
+        request can continue elsewhere from exactly what the caller has."""
+        return (error.code in (ErrorCode.WORKER_LOST, ErrorCode.STREAM_LOST)
+                and self._resumes_left > 0 and self._request is not None
+                and len(self._token_ids) == self._num_tokens)
+
+    async def _try_resume(self, error: ErrorInfo) -> bool:
+        if not self._resumable(error):
+            return False
+        self._resumes_left -= 1
+        return await self._client._resume(self, error)
+
     async def _iterate(self) -> AsyncIterator[TokenChunk]:
         try:
             while not self._done:
                 chunk = await self._queue.get()
                 if chunk is None:
                     assert self.failure is not None
+                    if await self._try_resume(self.failure):
+                        continue  # one unbroken stream: a pause, then the next seq
                     self._client._note_end(self)
                     raise RequestError.from_info(self.failure)
                 if chunk.error is not None:  # terminal, accepted whatever its seq
+                    if await self._try_resume(chunk.error):
+                        continue
                     self._done = True
                     self.failure = chunk.error
                     self._client._note_end(self)
@@ -118,6 +145,11 @@ class RequestStream:
                     await self.cancel("stream_gap")
                     raise RequestError.from_info(self.failure)
                 self._next_seq += 1
+                self._num_tokens += chunk.num_tokens
+                if chunk.token_ids:
+                    self._token_ids.extend(chunk.token_ids)
+                    if not self._wants_token_ids:
+                        chunk.token_ids = None
                 if chunk.finish_reason is not None:
                     self._done = True
                 yield chunk

@@ -2,8 +2,10 @@
 
 - The dispatcher dies mid-load and is restarted: every accepted request completes,
   and each is generated exactly once (one `Started` per request id).
-- A worker dies mid-generation: its started requests end with a retryable
-  `worker_lost`; requests it had not started run on another worker.
+- A worker dies mid-generation: its started requests resume on another worker from
+  the tokens their clients have (one unbroken stream, output equal to an undisturbed
+  run); without a resume budget they end with a retryable `worker_lost`. Requests it
+  had not started run on another worker.
 """
 
 from __future__ import annotations
@@ -83,26 +85,56 @@ async def test_dispatcher_kill9_under_load_every_request_completes_exactly_once(
     await client.close()
 
 
-async def test_worker_kill9_started_get_worker_lost_unstarted_run_elsewhere(
-        nats_server, nc, uid, procs):
+async def _kill_worker_mid_stream(nats_server, nc, uid, procs, *, max_resumes: int,
+                                  seed_base: int):
+    """12 long requests on a worker killed mid-stream; a rescue worker takes over.
+    Returns (streams, results, ids started on the doomed worker, client)."""
     subjects = Subjects(f"t{uid}")
     url = nats_server.url
     started = await _count_started(nc, subjects)
     _dispatcher(procs, url, subjects.prefix)
     doomed = _worker(procs, url, subjects.prefix, f"doomed-{uid}", time_scale=1.0)
-    client = FairlaneClient(nc, prefix=subjects.prefix)
+    client = FairlaneClient(nc, prefix=subjects.prefix, max_resumes=max_resumes)
     await client.start()
     await wait_until(lambda: client.nc.is_connected, 5)
     # 8 slots + 4 prefetch on the doomed worker; long outputs so they are mid-stream.
+    # A fixed seed per request fixes the simulator's tokens (as greedy sampling would).
     streams = [await client.submit(spec(tenant="acme", pool="p", tier="standard", prompt="x",
-                                        max_tokens=400, expected_output_tokens=400))
-               for _ in range(12)]
+                                        max_tokens=400, expected_output_tokens=400,
+                                        seed=seed_base + i, return_token_ids=True))
+               for i in range(12)]
     collectors = [asyncio.create_task(s.collect()) for s in streams]
     await wait_until(lambda: len(started) >= 8, 60)  # its batch is full and streaming
     on_doomed = set(started)
     kill9(doomed)
     _worker(procs, url, subjects.prefix, f"rescue-{uid}", time_scale=0.05)
     results = await asyncio.wait_for(asyncio.gather(*collectors, return_exceptions=True), 120)
+    return streams, results, on_doomed, client
+
+
+async def test_worker_kill9_started_streams_resume_elsewhere_unbroken(
+        nats_server, nc, uid, procs):
+    streams, results, on_doomed, client = await _kill_worker_mid_stream(
+        nats_server, nc, uid, procs, max_resumes=2, seed_base=1000)
+    assert [r for r in results if isinstance(r, BaseException)] == []  # 100% complete
+    for stream, r in zip(streams, results, strict=True):
+        assert r.usage.completion_tokens == 400 and len(r.token_ids) == 400
+        assert stream.num_resumes == (1 if stream.request_id in on_doomed else 0)
+    assert client.num_resumes == len(on_doomed) > 0
+    # The resumed outputs equal an undisturbed run of the same requests.
+    calm = [await client.submit(spec(tenant="acme", pool="p", tier="standard", prompt="x",
+                                     max_tokens=400, expected_output_tokens=400,
+                                     seed=1000 + i, return_token_ids=True)) for i in range(12)]
+    undisturbed = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in calm)), 120)
+    assert [r.token_ids for r in results] == [r.token_ids for r in undisturbed]
+    assert [r.text for r in results] == [r.text for r in undisturbed]
+    await client.close()
+
+
+async def test_worker_kill9_without_resume_budget_ends_with_worker_lost(
+        nats_server, nc, uid, procs):
+    streams, results, on_doomed, client = await _kill_worker_mid_stream(
+        nats_server, nc, uid, procs, max_resumes=0, seed_base=0)
     by_id = {s.request_id: r for s, r in zip(streams, results, strict=True)}
     for rid, r in by_id.items():
         if rid in on_doomed:
