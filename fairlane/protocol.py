@@ -169,6 +169,9 @@ class Usage(Struct, kw_only=True, omit_defaults=True):
     # Which attempt of the request this is the record of (a resumed continuation is
     # the next attempt; FL_USAGE keeps one record per request id).
     attempt: int = 0
+    # Of this run's prefill, tokens re-computed for a continuation (not served from
+    # the prefix cache): the platform's cost of preemption and migration, not billed.
+    num_recomputed_tokens: int = 0
 
 
 class TokenChunk(Struct, kw_only=True, omit_defaults=True):

@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from fairlane.protocol import ErrorInfo, TokenChunk, Usage, WorkItem
+from fairlane.protocol import Continuation, ErrorInfo, TokenChunk, Usage, WorkItem
 from fairlane.runtime import now_ms
 from gpu_worker.engine import GenerationDelta
 
@@ -46,12 +46,19 @@ class InFlight:
     # The worker fenced itself (its incarnation was declared lost): the request ends
     # here without publishing anything more; the dispatcher already handed it on.
     fenced: bool = False
+    # The dispatcher preempted it to free the slot for a tenant below its fair share:
+    # flush what was generated, abort, hand back a `Continuation`.
+    preempted: bool = False
+    # Every output token id of the request (earlier runs included): a preemption
+    # hands them back, so the continuation re-prefills exactly what the client has.
+    generated_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         resume = self.item.request.resume
         if resume is not None:
             # A continuation: the client already has chunks 0 .. next_seq - 1.
             self.next_seq = resume.next_seq
+            self.generated_ids = list(resume.generated_token_ids)
 
     @property
     def request_id(self) -> str:
@@ -60,7 +67,7 @@ class InFlight:
     @property
     def stopping(self) -> bool:
         return (self.fail is not None or self.cancelled or self.requeue_reason is not None
-                or self.fenced)
+                or self.fenced or self.preempted)
 
     def signal(self) -> None:
         self.queue.put_nowait(WAKE)
@@ -78,8 +85,15 @@ class InFlight:
             self.buf_since_s = now_s
         self.buf_text.append(delta.text)
         self.buf_token_ids.extend(delta.token_ids)
+        self.generated_ids.extend(delta.token_ids)
         self.buf_num_tokens += max(1, len(delta.token_ids))
         return first
+
+    def continuation(self) -> Continuation:
+        """Where this request stands, for a continuation elsewhere (flush first)."""
+        resume = self.item.request.resume
+        return Continuation(generated_token_ids=list(self.generated_ids), next_seq=self.next_seq,
+                            num_preemptions=(resume.num_preemptions if resume else 0) + 1)
 
     def take_chunk(
         self,
@@ -127,6 +141,7 @@ class InFlight:
             ttft_ms=(self.first_token_s - self.accepted_s) * 1000 if self.started else 0.0,
             e2e_ms=(now_s - self.accepted_s) * 1000,
             kv_token_seconds=d.kv_token_seconds,
+            num_recomputed_tokens=d.num_recomputed_tokens,
             finish_reason=finish_reason,
             ts_ms=now_ms(),
             attempt=req.attempt,

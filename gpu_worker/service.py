@@ -36,6 +36,7 @@ from fairlane.protocol import (
     WorkItem,
     decode_cancel,
     decode_heartbeat_ack,
+    decode_preempt,
     decode_work_batch,
     encode,
 )
@@ -112,6 +113,7 @@ class Worker(RequestServing):
             return 0
         nc = self._nc
         cancel_sub = await nc.subscribe(self.subjects.cancel(self.s.pool), cb=self._on_cancel)
+        preempt_sub = await nc.subscribe(self.subjects.preempt(self.s.pool), cb=self._on_preempt)
         hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         pull_task = asyncio.create_task(self._pull_loop(), name="pull")
         self.log.info(
@@ -140,6 +142,7 @@ class Worker(RequestServing):
             await asyncio.gather(stop_task, dead_task, hb_task, pull_task, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await cancel_sub.unsubscribe()
+                await preempt_sub.unsubscribe()
             if self._owns_engine:
                 with contextlib.suppress(Exception):
                     await self.engine.close()
@@ -318,6 +321,22 @@ class Worker(RequestServing):
             await self.engine.abort(cancel.request_id)
         except Exception as exc:  # noqa: BLE001
             self.log.warning("abort_failed", request_id=cancel.request_id, error=repr(exc))
+
+    async def _on_preempt(self, msg: Msg) -> None:
+        """The dispatcher frees one of our slots for a tenant below its fair share."""
+        try:
+            order = decode_preempt(msg.data)
+        except ProtocolError as exc:
+            self.log.warning("bad_preempt", error=exc.message)
+            return
+        r = self._reqs.get(order.request_id)
+        if order.worker_id != self.worker_id or r is None or r.stopping:
+            return  # not ours, or already ending: its Finished tells the dispatcher
+        if not self._epochs.admit(order.epoch):
+            self.log.warning("stale_epoch_preempt", epoch=order.epoch)
+            return
+        r.preempted = True
+        r.signal()
 
     async def _heartbeat(self, timeout_s: float | None = None) -> None:
         """Report load and work, as a request: the dispatcher's acknowledgement is the

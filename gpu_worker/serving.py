@@ -22,6 +22,7 @@ from fairlane.protocol import (
     ErrorCode,
     ErrorInfo,
     Finished,
+    Preempted,
     Requeue,
     Started,
     Usage,
@@ -164,6 +165,10 @@ class RequestServing:
 
     async def _finish(self, r: InFlight, outcome: object) -> None:
         rid = r.request_id
+        if r.preempted and not r.fenced and r.fail is None and not isinstance(
+                outcome, GenerationDelta | BaseException):
+            await self._hand_back_preempted(r)
+            return
         if r.fenced:
             with contextlib.suppress(Exception):
                 await self.engine.abort(rid)
@@ -225,6 +230,20 @@ class RequestServing:
             e2e_ms=round(usage.e2e_ms, 2),
             kv_token_seconds=round(usage.kv_token_seconds, 3),
         )
+
+    async def _hand_back_preempted(self, r: InFlight) -> None:
+        """Stopped by the dispatcher's `Preempt`: the client gets every token generated
+        so far, then the dispatcher gets the continuation (and the slot is free)."""
+        with contextlib.suppress(Exception):
+            await self.engine.abort(r.request_id)
+        if r.buf_num_tokens:
+            await self._flush(r)
+        resume = r.continuation()
+        if await self._event(Preempted(request_id=r.request_id, worker_id=self.worker_id,
+                                       resume=resume, ts_ms=now_ms()), r):
+            self.log.info("request_preempted", request_id=r.request_id,
+                          num_generated_tokens=len(resume.generated_token_ids),
+                          next_seq=resume.next_seq)
 
     async def _end_with_error(
         self, r: InFlight, error: ErrorInfo, finish_reason: str = "error"

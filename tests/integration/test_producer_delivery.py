@@ -94,6 +94,9 @@ async def test_silent_stream_with_no_dispatcher_ends_with_stream_lost(nc, uid):
 
 async def test_retry_with_same_id_after_worker_lost_is_served(fleet, nc):
     client, subjects = fleet
+    # The caller's own retry (migration, which resumes by itself, is turned off here:
+    # the worker_lost below is injected while the real worker still streams).
+    client.max_resumes = 0
     finished, changed = await _finished_events(nc, subjects)
     first = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=20,
                                      expected_output_tokens=20))
