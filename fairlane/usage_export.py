@@ -51,7 +51,8 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 STORE_SLACK_MS = 5 * 60_000
 FETCH_BATCH = 512
 COLUMNS = ("tenant", "pool", "num_requests", "prompt_tokens", "completion_tokens",
-           "cached_prompt_tokens", "kv_token_seconds", "first_record_at", "last_record_at")
+           "cached_prompt_tokens", "recomputed_tokens", "kv_token_seconds", "first_record_at",
+           "last_record_at")
 _ID_RE = re.compile(ID_PATTERN)
 _RELATIVE_RE = re.compile(r"^(?:now)?-(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_MS = {"s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
@@ -89,6 +90,9 @@ class UsageTotals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Prefill recomputed to resume preempted or migrated requests: the platform's cost,
+    # which the record says is not billed (a column of its own, for billing to decide).
+    recomputed_tokens: int = 0
     kv_token_seconds: float = 0.0
     first_ts_ms: int = 0
     last_ts_ms: int = 0
@@ -98,6 +102,7 @@ class UsageTotals:
         self.prompt_tokens += u.prompt_tokens
         self.completion_tokens += u.completion_tokens
         self.cached_prompt_tokens += u.cached_prompt_tokens
+        self.recomputed_tokens += u.num_recomputed_tokens
         self.kv_token_seconds += u.kv_token_seconds
         self.first_ts_ms = min(self.first_ts_ms or u.ts_ms, u.ts_ms)
         self.last_ts_ms = max(self.last_ts_ms, u.ts_ms)
@@ -106,6 +111,7 @@ class UsageTotals:
         return {"tenant": self.tenant, "pool": self.pool, "num_requests": self.num_requests,
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "cached_prompt_tokens": self.cached_prompt_tokens,
+                "recomputed_tokens": self.recomputed_tokens,
                 "kv_token_seconds": round(self.kv_token_seconds, 3),
                 "first_record_at": format_time(self.first_ts_ms),
                 "last_record_at": format_time(self.last_ts_ms)}

@@ -93,7 +93,8 @@ async def records(nc, uid):
     def usage(rid: str, tenant: str, pool: str, ts_ms: int, n: int) -> Usage:
         return Usage(request_id=rid, tenant=tenant, pool=pool, tier="paid", worker_id="w",
                      prompt_tokens=10 * n, completion_tokens=n, cached_prompt_tokens=n // 2,
-                     kv_token_seconds=0.5 * n, finish_reason="stop", ts_ms=ts_ms)
+                     num_recomputed_tokens=n, kv_token_seconds=0.5 * n, finish_reason="stop",
+                     ts_ms=ts_ms)
 
     made = [
         usage("r-early", "acme", "p", t0 - 2 * 60 * MINUTE_MS, 100),  # before the period
@@ -119,11 +120,11 @@ async def test_period_edges_and_filters(nc, records):
     since, until = t0 - 60 * MINUTE_MS, t0
     report = await read_usage(js, subjects, since, until)
     got = {(t.tenant, t.pool): (t.num_requests, t.prompt_tokens, t.completion_tokens,
-                                t.cached_prompt_tokens, t.kv_token_seconds)
+                                t.cached_prompt_tokens, t.recomputed_tokens, t.kv_token_seconds)
            for t in report.totals}
-    assert got == {("acme", "p"): (2, 30, 3, 1, 1.5),
-                   ("acme", "q"): (1, 40, 4, 2, 2.0),
-                   ("globex", "p"): (1, 80, 8, 4, 4.0)}
+    assert got == {("acme", "p"): (2, 30, 3, 1, 3, 1.5),
+                   ("acme", "q"): (1, 40, 4, 2, 4, 2.0),
+                   ("globex", "p"): (1, 80, 8, 4, 8, 4.0)}
     assert report.num_undecodable == 1
     acme_p = report.totals[0]
     assert (acme_p.first_ts_ms, acme_p.last_ts_ms) == (since, t0 - 30 * MINUTE_MS)

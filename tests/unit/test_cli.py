@@ -109,11 +109,11 @@ def test_usage_csv_and_json_shapes():
     for ts, n in ((NOW_MS - 5, 2), (NOW_MS - 9, 3)):
         t.add(Usage(request_id=f"r{n}", tenant="acme", pool="default", tier="paid",
                     prompt_tokens=n, completion_tokens=10 * n, cached_prompt_tokens=1,
-                    kv_token_seconds=0.25 * n, ts_ms=ts))
+                    num_recomputed_tokens=n - 1, kv_token_seconds=0.25 * n, ts_ms=ts))
     report = UsageReport(NOW_MS - 100, NOW_MS, None, "default", [t], 2, 0)
     lines = render(report, "csv").splitlines()
     assert lines[0] == ",".join(COLUMNS)
-    assert lines[1].split(",")[:7] == ["acme", "default", "2", "5", "50", "2", "1.25"]
+    assert lines[1].split(",")[:8] == ["acme", "default", "2", "5", "50", "2", "3", "1.25"]
     body = json.loads(render(report, "json"))
     assert (body["tenant"], body["pool"], body["incomplete_before"]) == (None, "default", None)
     assert body["rows"][0]["first_record_at"].endswith(".991Z")
