@@ -23,7 +23,6 @@ import contextlib
 import uuid
 from collections import OrderedDict
 
-import msgspec
 import nats
 import structlog
 from nats.aio.client import Client as NatsClient
@@ -32,7 +31,6 @@ from nats.js.errors import APIError
 
 from fairlane.protocol import (
     Cancel,
-    Continuation,
     ErrorCode,
     ErrorInfo,
     InferenceRequest,
@@ -52,6 +50,7 @@ from fairlane.runtime import cancel_and_wait, log_nats_error, now_ms
 from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
+from producer.migrate import resume_stream
 from producer.spec import RequestSpec, new_request_id
 from producer.stream import Completion, RequestError, RequestStream
 from producer.watch import (
@@ -411,45 +410,7 @@ class FairlaneClient:
         )
 
     async def _resume(self, stream: RequestStream, error: ErrorInfo) -> bool:
-        """Continue `stream` on another worker from the tokens it has read: publish
-        its next attempt with a `Continuation`. The stream stays the same object and
-        its chunks continue at the next `seq`. False if the fleet refused it."""
-        base = stream._request
-        assert base is not None
-        req = msgspec.structs.replace(
-            base, attempt=stream.attempt + 1, created_ms=now_ms(),
-            resume=Continuation(generated_token_ids=list(stream._token_ids),
-                                next_seq=stream._next_seq,
-                                num_preemptions=base.resume.num_preemptions if base.resume else 0))
-        # Drop what the failed attempt may still have queued (its error chunk).
-        while not stream._queue.empty():
-            stream._queue.get_nowait()
-        stream.failure = None
-        stream._ended_upstream = False
-        stream._unvouched_since_s = None
-        stream._last_chunk_s = asyncio.get_running_loop().time()
-        stream.attempt = req.attempt
-        stream.num_resumes += 1
-        self.num_resumes += 1
-        log.info("stream_resuming", request_id=req.request_id, attempt=req.attempt,
-                 after=str(error.code), num_tokens=len(stream._token_ids),
-                 next_seq=stream._next_seq)
-        self._streams[req.request_id] = stream
-        try:
-            subject = self.subjects.request(req.pool, req.tier, req.tenant)
-            ack = await self.js.publish(subject, encode(req), headers={
-                "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
-                REPLY_HEADER: req.reply_to,
-            })
-        except Exception as exc:  # the broker refused it: the caller gets the error
-            log.warning("stream_resume_failed", request_id=req.request_id, error=repr(exc))
-            stream.failure = error
-            return False
-        self._remember(req.request_id, req.attempt)
-        if getattr(ack, "duplicate", False):  # this attempt already runs: attach to it
-            log.info("stream_resume_attached", request_id=req.request_id)
-        stream._request = req
-        return True
+        return await resume_stream(self, stream, error)
 
     async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.
