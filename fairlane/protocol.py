@@ -214,6 +214,9 @@ class Started(Struct, tag="started", kw_only=True):
     worker_id: str
     ts_ms: int = 0
     incarnation: str = ""
+    # A continuation (preempted or migrated) started: it re-prefills what its client
+    # already has and generates only the rest; not a second generation from scratch.
+    resumed: bool = False
 
 
 class Finished(Struct, tag="finished", kw_only=True, omit_defaults=True):

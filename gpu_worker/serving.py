@@ -112,7 +112,8 @@ class RequestServing:
                     if not await self._ack_started(r):
                         break  # fenced while waiting: nothing more goes out for it
                     await self._event(
-                        Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms()), r
+                        Started(request_id=rid, worker_id=self.worker_id, ts_ms=now_ms(),
+                                resumed=r.item.request.resume is not None), r
                     )
                     self._slot_event.set()  # it left the engine's queue
                 if ev.finish_reason is not None:

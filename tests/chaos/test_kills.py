@@ -48,7 +48,7 @@ async def _count_started(nc, subjects: Subjects) -> collections.Counter:
 
     async def on_event(msg) -> None:
         ev = decode_event(msg.data)
-        if isinstance(ev, Started):
+        if isinstance(ev, Started) and not ev.resumed:  # a continuation is not a rerun
             started[ev.request_id] += 1
 
     await nc.subscribe(subjects.events("p"), cb=on_event)

@@ -48,7 +48,7 @@ async def test_leader_kill9_standby_takes_over_exactly_once(nats_server, nc, uid
 
     async def on_event(msg) -> None:
         ev = decode_event(msg.data)
-        if isinstance(ev, Started):
+        if isinstance(ev, Started) and not ev.resumed:  # a continuation is not a rerun
             started[ev.request_id] += 1
             started_at.setdefault(ev.request_id, time.monotonic())
 
