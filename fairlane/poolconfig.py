@@ -62,6 +62,25 @@ class TenantConfig:
         return self.pools is None or pool in self.pools
 
 
+class PreemptionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Fleet-level preemption for fairness (DESIGN.md 5b): a pool's ``preemption`` entry.
+
+    When a tenant short of its fair share (by a whole slot, and owed by its policy's
+    accounts) has a request that waited `preempt_after_ms` and no worker has room, the
+    core preempts one running request of a tenant above its share (lowest tier first)
+    and hands the freed slot to the waiting request; the victim resumes later from the
+    tokens it has (`dispatcher.scheduler.preempt`). `fifo` never preempts.
+    """
+
+    enabled: bool = True
+    preempt_after_ms: float = 200.0  # the waiting request's queue time before it may preempt
+    # Hysteresis: a request runs at least this long after it (re)started before it may be
+    # preempted (again), so a slot is not handed back and forth.
+    min_run_ms: float = 1_000.0
+    max_per_s: int = 20  # preemptions ordered in any 1 s window, per pool
+    max_per_request: int = 3  # after this many, a request runs to its end
+
+
 class PoolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """One pool of the tenants file's ``pools`` section."""
 
@@ -73,6 +92,7 @@ class PoolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     max_queued_total: int = DEFAULT_MAX_QUEUED_TOTAL
     allow_unknown_tenants: bool = DEFAULT_ALLOW_UNKNOWN_TENANTS
     default_tier: str | None = None  # tier of unlisted tenants; None = lowest tier
+    preemption: PreemptionConfig = msgspec.field(default_factory=PreemptionConfig)
 
 
 @dataclass(slots=True)
@@ -98,6 +118,7 @@ class SchedulerConfig:
     share_window_ms: float = 10_000.0
     # Throttling: the service rate is measured over this sliding window; 0 disables it.
     throttle_window_ms: float = 10_000.0
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     _unknown: dict[str, TenantConfig] = field(default_factory=dict, repr=False, compare=False)
 
     def tenant(self, name: str) -> TenantConfig | None:

@@ -6,7 +6,11 @@ One YAML (``.yaml``/``.yml``) or TOML (``.toml``) file, chosen by extension::
       - {name: enterprise, floor_share: 0.5, aging_ms: 0, engine_priority: 0}
       - {name: free, aging_ms: 30000, engine_priority: 10}
     pools:
-      default: {policy: drr, cost_model: tokens, quantum: 4096}
+      default:
+        policy: drr
+        cost_model: tokens
+        quantum: 4096
+        preemption: {preempt_after_ms: 200, min_run_ms: 1000, max_per_s: 20}  # optional
     tenants:
       acme:
         tier: enterprise
@@ -195,6 +199,7 @@ def resolve_pool_config(
         allow_unknown_tenants=spec.allow_unknown_tenants,
         default_tenant=TenantConfig(name="_default", tier=tf.default_tier(pool)),
         max_queued_total=spec.max_queued_total,
+        preemption=spec.preemption,
     )
 
 

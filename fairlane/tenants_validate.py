@@ -140,6 +140,7 @@ class Validator:
             self.positive(p.max_tokens, f"{path}.max_tokens")
             self.positive(p.max_prompt_tokens, f"{path}.max_prompt_tokens")
             self.positive(p.max_queued_total, f"{path}.max_queued_total")
+            self.preemption(p, f"{path}.preemption")
             if p.default_tier is not None and p.default_tier not in tier_names:
                 raise self.fail(
                     f"{path}.default_tier",
@@ -147,6 +148,16 @@ class Validator:
                 )
             out[name] = p
         return out
+
+    def preemption(self, p: PoolSpec, path: str) -> None:
+        pre = p.preemption
+        for field in ("preempt_after_ms", "min_run_ms"):
+            value = getattr(pre, field)
+            self.finite(value, f"{path}.{field}")
+            if value < 0:
+                raise self.fail(f"{path}.{field}", f"must be >= 0, got {value}")
+        self.positive(pre.max_per_s, f"{path}.max_per_s")
+        self.positive(pre.max_per_request, f"{path}.max_per_request")
 
     def tenants(
         self, raw: Any, tiers: tuple[TierConfig, ...], pools: dict[str, PoolSpec]

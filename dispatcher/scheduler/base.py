@@ -9,7 +9,8 @@ requests left the engine — the only event that can make it eligible again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from dispatcher.scheduler.cost import CostModel
@@ -18,6 +19,87 @@ from dispatcher.scheduler.types import ActualUsage, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
 
 Eligible = Callable[[str, int], bool]
+_EPS = 1e-9
+
+
+def estimate_cost(model: CostModel, req: QueuedRequest) -> float:
+    """What running `req` now is expected to cost: the whole request, or for a
+    continuation (preempted before) only the work left, so its tenant pays for new work
+    only (`Scheduler.preempted` settles the earlier runs and sets `resume_cost`)."""
+    return req.resume_cost if req.num_preemptions else model.estimate(req)
+
+
+# --- fair shares, for preemption (`dispatcher.scheduler.preempt`) ---------------------
+
+
+@dataclass(slots=True)
+class Standing:
+    """One tenant of one tier against its fair share of the slots that tier holds."""
+
+    tenant: str
+    weight: float
+    num_running: int
+    head: QueuedRequest | None  # its next queued request, if any
+    share: float = 0.0  # fair share of the tier's slots (fractional)
+    excess: float = 0.0  # (num_running - share) / weight: > 0 above its share, < 0 below
+
+
+class FairShares(Protocol):
+    """A policy's own measure of who is above and below its fair share in one tier."""
+
+    standings: dict[str, Standing]
+
+    def owed(self, waiter: Standing) -> bool:
+        """Whether `waiter` is short of its share by a whole slot (may claim one)."""
+        ...
+
+    def may_move(self, victim: Standing, waiter: Standing) -> bool:
+        """Whether taking one slot from `victim` for `waiter`'s head is fair by this
+        policy's measure (and does not simply invert the two: no thrashing)."""
+        ...
+
+
+def water_fill(demands: Mapping[str, tuple[float, float]], num_slots: float) -> dict[str, float]:
+    """Weighted max-min shares of `num_slots`: `demands` maps a tenant to (weight,
+    demand); none gets more than it demands, the rest is split in proportion to weight."""
+    out: dict[str, float] = {}
+    left = float(num_slots)
+    total_weight = sum(w for w, _ in demands.values())
+    for name, (w, d) in sorted(demands.items(), key=lambda kv: kv[1][1] / kv[1][0]):
+        give = min(float(d), left * w / total_weight) if total_weight > 0 else 0.0
+        out[name] = give
+        left -= give
+        total_weight -= w
+    return out
+
+
+class SlotShares:
+    """The slot measure both fair policies start from: the weighted max-min
+    (water-filling) share of the tier's slots among its tenants with demand (running +
+    queued, capped by `max_concurrent`), against what each runs now. Fair turns in
+    proportion to weight converge to it as slots turn over; preemption gets there
+    without waiting for the turnover. Each policy adds its own accounts (DRR's turns,
+    VTC's counters), so preemption never serves a tenant the policy would not.
+
+    A move (one slot from victim to waiter) is allowed when the waiter is short of
+    its share by a whole slot (running + 1 <= share) and the victim is above its share
+    (running > share). Why whole slots: a fractional share is DRR's to honour by
+    time-sharing slots as they turn over — a tenant owed 0.8 of a slot runs on none
+    part of the time, and preempting it in then would hand it more than its weight,
+    every time (its debt would grow without bound). No thrashing: after a move the
+    waiter is not above its share and the victim not short by a whole slot, so the move
+    is never undone, and each move lowers the sum of whole-slot shortfalls by one, so
+    with demand fixed the moves end — with every tenant at floor(share) or more.
+    """
+
+    def __init__(self, standings: dict[str, Standing]) -> None:
+        self.standings = standings
+
+    def owed(self, waiter: Standing) -> bool:
+        return waiter.num_running + 1 <= waiter.share + _EPS
+
+    def may_move(self, victim: Standing, waiter: Standing) -> bool:
+        return victim.tenant != waiter.tenant and victim.excess > _EPS and self.owed(waiter)
 
 
 class Policy(Protocol):
@@ -33,6 +115,11 @@ class Policy(Protocol):
         The core follows every pop with either `charge` or `push_front`."""
         ...
     def remove(self, req: QueuedRequest) -> None: ...
+    def take(self, req: QueuedRequest, now_ms: float) -> None:
+        """Remove queued `req` to dispatch it out of the policy's own order, in the
+        turn its tenant would get next (a slot preemption freed for it); `charge`
+        follows. Only for a request `fair_shares` called owed."""
+        ...
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
         """Cost charged when `req` is dispatched (returned for metrics)."""
         ...
@@ -48,6 +135,11 @@ class Policy(Protocol):
     def update_config(self, config: SchedulerConfig) -> None:
         """Hot reload: new weights, quantum and tenants apply from the next decision on.
         Policy-specific state (rings, heaps, credits) is kept."""
+        ...
+    def fair_shares(self, tier: str, running: Mapping[str, int], num_slots: int) -> FairShares | None:
+        """Who in `tier` is above or below its fair share of `num_slots`, by this
+        policy's own measure, given each tenant's `running` requests in the tier (for
+        preemption). None: this policy never preempts."""
         ...
 
 
@@ -119,6 +211,30 @@ class TenantBook:
         for st in self.states.values():
             tcfg = config.tenant(st.tenant)
             st.weight = max(tcfg.weight if tcfg else 1.0, 1e-9)
+
+    def standings(self, tier: str, running: Mapping[str, int], num_slots: int) -> dict[str, Standing]:
+        """Every tenant of `tier` with demand, against its water-filled slot share.
+        O(tenant states) per call: preemption decisions are rare, not per dispatch."""
+        out: dict[str, Standing] = {}
+        demands: dict[str, tuple[float, float]] = {}
+        queued: dict[str, TenantState] = {st.tenant: st for (t, _), st in self.states.items()
+                                           if t == tier and st.queue}
+        for tenant in sorted({*queued, *(t for t, n in running.items() if n > 0)}):
+            st = queued.get(tenant)
+            tcfg = self.config.tenant(tenant)
+            weight = st.weight if st else max(tcfg.weight if tcfg else 1.0, 1e-9)
+            n = running.get(tenant, 0)
+            demand = n + (len(st.queue) if st else 0)
+            cap = tcfg.max_concurrent if tcfg else None
+            if cap is not None:
+                demand = max(min(demand, cap), n)  # quota-blocked work claims no share
+            demands[tenant] = (weight, demand)
+            out[tenant] = Standing(tenant, weight, n, st.queue.peek() if st else None)
+        for tenant, share in water_fill(demands, num_slots).items():
+            s = out[tenant]
+            s.share = share
+            s.excess = (s.num_running - share) / s.weight
+        return out
 
     def forget_if_idle(self, st: TenantState) -> None:
         """Drop the state of an idle tenant that owes nothing (bounded memory under

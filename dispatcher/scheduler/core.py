@@ -19,11 +19,12 @@ import heapq
 import itertools
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from dispatcher.scheduler.actions import SendError
 from dispatcher.scheduler.cost import make_cost_model
 from dispatcher.scheduler.policies import Policy, make_policy
+from dispatcher.scheduler.preempt import Preemptor, WorkerOf, continuation_cost
+from dispatcher.scheduler.tenant_queue import shed_victims
 from dispatcher.scheduler.throttle import RateMeter, predict_wait_ms, retry_after_ms
 from dispatcher.scheduler.tiers import TierSelector
 from dispatcher.scheduler.types import (
@@ -32,7 +33,10 @@ from dispatcher.scheduler.types import (
     ActualUsage,
     Admission,
     Dispatch,
+    InFlight,
+    PreemptionOrder,
     QueuedRequest,
+    TenantLoad,
     Verdict,
 )
 from fairlane.poolconfig import SchedulerConfig, TenantConfig
@@ -40,24 +44,6 @@ from fairlane.protocol import ErrorCode
 
 _DEFAULT_RETRY_MS = 1_000
 ENGINE_PRIORITY_SPAN = 1_000  # engine priorities per tier (see _dispatch)
-
-
-@dataclass(slots=True)
-class TenantLoad:
-    """Per-tenant live counters (quotas and metrics)."""
-
-    num_queued: int = 0
-    num_in_flight: int = 0
-    kv_tokens_in_flight: int = 0
-    dispatched_cost: float = 0.0  # cumulative, trued up to actual usage
-    queued_cost: float = 0.0  # estimated cost of the requests waiting
-
-
-@dataclass(slots=True)
-class _InFlight:
-    request: QueuedRequest
-    tier_index: int
-    started: bool = False
 
 
 class Scheduler:
@@ -70,7 +56,7 @@ class Scheduler:
         self.tiers = TierSelector(config)
         self.rate = RateMeter(config.throttle_window_ms) if config.throttle_window_ms > 0 else None
         self._queued: dict[str, QueuedRequest] = {}
-        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight: dict[str, InFlight] = {}
         self._loads: dict[str, TenantLoad] = {}
         self._next_seq = 0
         # Throttling's fair-share inputs: per (tier, tenant) queued counts, and per tier
@@ -83,6 +69,7 @@ class Scheduler:
         self.rejections: Counter[ErrorCode] = Counter()  # by reason, at admission
         self.drops: Counter[ErrorCode] = Counter()  # queued work removed (expired, shed)
         self.num_dispatched = 0
+        self.preemptor = Preemptor()  # fleet-level preemption (DESIGN.md 5b)
 
     # --- queries -----------------------------------------------------------------------
 
@@ -116,6 +103,14 @@ class Scheduler:
 
     def in_flight_ids(self) -> Iterable[str]:
         return self._in_flight.keys()
+
+    def in_flight_entries(self) -> Iterable[tuple[str, InFlight]]:
+        return self._in_flight.items()
+
+    @property
+    def num_preemptions(self) -> Counter[tuple[str, str]]:
+        """(tier, tenant) -> its requests preempted so far (for metrics)."""
+        return self.preemptor.preempted
 
     def tenant_loads(self) -> dict[str, TenantLoad]:
         return self._loads
@@ -212,6 +207,7 @@ class Scheduler:
 
     def _enqueue(self, req: QueuedRequest, now_ms: float) -> None:
         self._queued[req.request_id] = req
+        req.enqueued_ms = now_ms
         load = self._load(req.tenant)
         load.num_queued += 1
         load.queued_cost += req.est_cost
@@ -243,6 +239,9 @@ class Scheduler:
             self._tier_weight[i] = max(w, 0.0)
 
     # --- selection ---------------------------------------------------------------------
+
+    def within_quota(self, tenant: str, kv_tokens: int) -> bool:
+        return self._within_quota(tenant, kv_tokens)
 
     def _within_quota(self, tenant: str, kv_tokens: int) -> bool:
         tcfg = self.config.tenant(tenant)
@@ -277,12 +276,20 @@ class Scheduler:
         out: list[Dispatch] = []
         kv_budget = free_kv_tokens
         while len(out) < max_items and self._queued:
-            req = self._pick(now_ms)
+            # A slot freed by preemption (or any slot, if that comes first) goes to the
+            # waiting request it was taken for, not by the policy (`preempt`).
+            held = self.preemptor.next_held(self._queued, self._within_quota) \
+                if self.preemptor.held else None
+            req = held or self._pick(now_ms)
             if req is None:
                 break
             if kv_budget is not None and out and req.kv_tokens > kv_budget:
-                self.policy.push_front(req, now_ms)
+                if held is None:
+                    self.policy.push_front(req, now_ms)
                 break
+            if held is not None:
+                del self.preemptor.held[held.request_id]
+                self.policy.take(held, now_ms)
             if kv_budget is not None:
                 kv_budget -= req.kv_tokens
             out.append(self._dispatch(req, now_ms))
@@ -309,7 +316,7 @@ class Scheduler:
         if self.rate is not None:
             self.rate.add(now_ms, cost)
         self.num_dispatched += 1
-        self._in_flight[req.request_id] = _InFlight(req, i)
+        self._in_flight[req.request_id] = InFlight(req, i)
         return Dispatch(req, self.tiers.engine_priority(i) * ENGINE_PRIORITY_SPAN + bump, cost)
 
     def adopt(self, request_id: str, now_ms: float) -> QueuedRequest | None:
@@ -351,10 +358,11 @@ class Scheduler:
         f = self._in_flight.get(request_id)
         if f is None:
             return False
-        f.started = True
+        if not f.started:
+            f.started, f.started_ms = True, now_ms
         return True
 
-    def _release(self, request_id: str, now_ms: float) -> _InFlight | None:
+    def _release(self, request_id: str, now_ms: float) -> InFlight | None:
         f = self._in_flight.pop(request_id, None)
         if f is None:
             return None
@@ -362,6 +370,7 @@ class Scheduler:
         load.num_in_flight -= 1
         load.kv_tokens_in_flight -= f.request.est_kv_tokens
         self.policy.on_release(f.request.tenant, now_ms)  # may un-park the tenant
+        self.preemptor.on_left(request_id)
         return f
 
     def on_finished(self, request_id: str, usage: ActualUsage | None, now_ms: float) -> QueuedRequest | None:
@@ -371,6 +380,10 @@ class Scheduler:
             return None
         req = f.request
         if usage is not None:
+            if req.num_preemptions and usage.kv_token_seconds:
+                # Measured KV-seconds cover the last run only (the counts are the whole
+                # request's): the whole is trued up by its counts, as its runs were.
+                usage = ActualUsage(usage.prompt_tokens, usage.completion_tokens)
             delta = self.policy.true_up(req, usage, now_ms)
             self._load(req.tenant).dispatched_cost += delta
             self.tiers.add_cost(f.tier_index, delta, now_ms)
@@ -394,6 +407,43 @@ class Scheduler:
         self._enqueue(req, now_ms)
         self.policy.push_front(req, now_ms)
         return True
+
+    # --- preemption (DESIGN.md 5b; the decision is `dispatcher.scheduler.preempt`) ------
+
+    def preemptions(self, now_ms: float, num_free_slots: int,
+                    worker_of: WorkerOf) -> list[PreemptionOrder]:
+        """Running requests to preempt now, each for a waiting request below its
+        tenant's fair share; [] while `num_free_slots` (pulled slots waiting for work)
+        > 0. `worker_of(request_id)` names the worker running it (None: skip it). The
+        core holds the next free slot for each order's waiting request."""
+        return self.preemptor.decide(self, now_ms, num_free_slots, worker_of)
+
+    def preempted(self, request_id: str, num_generated_tokens: int,
+                  now_ms: float) -> QueuedRequest | None:
+        """The worker stopped `request_id` after `num_generated_tokens` output tokens
+        (earlier runs included): its quota is released, this run is settled to the work
+        it did, and it goes to the front of its tenant's queue as a continuation charged
+        for the work left only (its Finished usage: the whole request's). Returns it (the
+        shell attaches the resume point to its payload); None if not in flight."""
+        f = self._release(request_id, now_ms)
+        if f is None:
+            return None
+        req = f.request
+        done = max(num_generated_tokens, req.num_generated_tokens)
+        req.requeued = True
+        self.policy.push_front(req, now_ms)  # first: an idle tenant would forfeit the refund
+        delta = self.policy.true_up(req, ActualUsage(req.prompt_tokens, done), now_ms)
+        self._load(req.tenant).dispatched_cost += delta
+        self.tiers.add_cost(f.tier_index, delta, now_ms)
+        if self.rate is not None:
+            self.rate.add(now_ms, delta)
+        req.paid_cost += req.est_cost + delta
+        req.num_generated_tokens = done
+        req.num_preemptions += 1
+        req.resume_cost = req.est_cost = continuation_cost(self.cost_model, req)
+        self._enqueue(req, now_ms)
+        self.preemptor.preempted[(req.tier, req.tenant)] += 1
+        return req
 
     def cancel(self, request_id: str) -> QueuedRequest | None:
         """Remove a queued request. Returns None if it is not queued (maybe running)."""
@@ -427,35 +477,15 @@ class Scheduler:
     def shed(self, now_ms: float, max_queued_total: int | None = None) -> list[SendError]:
         """Overload shedding: cut the queue to `max_queued_total` (default: the config's).
 
-        The lowest tier goes first; within a tier, the longest tenant queues are cut
-        first (water-filling, so a flood pays for itself), each losing its least urgent
-        requests. A fast, retryable `overloaded` beats a wait that blows the SLA anyway.
-        O(queued · log) per call: it runs on overload, not per decision.
+        Who goes: `shed_victims` (lowest tier, longest tenant queues, least urgent
+        first). A fast, retryable `overloaded` beats a wait that blows the SLA anyway.
         """
         limit = self.config.max_queued_total if max_queued_total is None else max_queued_total
         excess = len(self._queued) - max(limit, 0)
         if excess <= 0:
             return []
-        by_tier: dict[int, dict[str, list[QueuedRequest]]] = {}
-        for req in self._queued.values():
-            by_tier.setdefault(self.tiers.index(req.tier), {}).setdefault(req.tenant, []).append(req)
         retry_ms = self._drain_retry_ms(now_ms)
-        victims: list[QueuedRequest] = []
-        for i in sorted(by_tier, reverse=True):  # lowest tier first
-            if excess <= 0:
-                break
-            tenants = by_tier[i]
-            for reqs in tenants.values():  # least urgent last: (priority, deadline, arrival)
-                reqs.sort(key=lambda r: (-r.priority, r.deadline_ms is None,
-                                         r.deadline_ms or 0.0, r.seq))
-            longest = [(-len(reqs), name) for name, reqs in tenants.items()]
-            heapq.heapify(longest)
-            while excess > 0 and longest:
-                neg, name = heapq.heappop(longest)
-                victims.append(tenants[name].pop())
-                excess -= 1
-                if neg + 1 < 0:
-                    heapq.heappush(longest, (neg + 1, name))
+        victims = shed_victims(self._queued.values(), self.tiers.index, excess)
         out = []
         for req in victims:
             self.cancel(req.request_id)

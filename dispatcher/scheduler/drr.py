@@ -24,8 +24,16 @@ Departures from textbook DRR, deliberately:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
-from dispatcher.scheduler.base import Eligible, TenantBook, TenantState
+from dispatcher.scheduler.base import (
+    Eligible,
+    SlotShares,
+    Standing,
+    TenantBook,
+    TenantState,
+    estimate_cost,
+)
 from dispatcher.scheduler.cost import CostModel, make_cost_model
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
@@ -76,13 +84,23 @@ class DrrPolicy:
         if st is not None:
             st.queue.remove(req)  # an emptied tenant leaves the ring at its next visit
 
+    def take(self, req: QueuedRequest, now_ms: float) -> None:
+        # Its turn, taken before the ring reaches it: the quantum is granted now, and the
+        # ring's visit continues this turn rather than granting another, so the tenant
+        # still gets one quantum per round.
+        st = self._book.state(req)
+        st.queue.remove(req)
+        if st.active and not st.in_turn:
+            st.in_turn = True
+            st.credit += self.quantum * st.weight
+
     # --- selection ---------------------------------------------------------------------
 
     def pop(self, tier: str, eligible: Eligible, now_ms: float) -> QueuedRequest | None:
         ring = self._rings.get(tier)
         if not ring:
             return None
-        estimate = self.cost_model.estimate
+        model = self.cost_model
         while ring:
             self.num_visits += 1
             st = ring[0]
@@ -107,7 +125,7 @@ class DrrPolicy:
             if not st.in_turn:
                 st.in_turn = True
                 st.credit += self.quantum * st.weight
-            if estimate(head) <= st.credit + _EPS:
+            if estimate_cost(model, head) <= st.credit + _EPS:
                 return st.queue.pop()
             st.in_turn = False
             ring.rotate(-1)
@@ -127,7 +145,7 @@ class DrrPolicy:
         self._book.update_config(config)
 
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
-        cost = self.cost_model.estimate(req)
+        cost = estimate_cost(self.cost_model, req)
         self._book.state(req).credit -= cost
         return cost
 
@@ -136,12 +154,26 @@ class DrrPolicy:
         return req.est_cost
 
     def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
-        delta = self.cost_model.actual(req, usage) - req.est_cost
+        # A continuation's earlier runs were charged `paid_cost`: the total is trued up.
+        delta = self.cost_model.actual(req, usage) - req.est_cost - req.paid_cost
         st = self._book.state(req)
         st.credit -= delta
         if st.credit > 0 and not st.active and not st.parked:
             st.credit = 0.0  # idle tenants carry debt, never credit
         return delta
+
+    def fair_shares(self, tier: str, running: Mapping[str, int], num_slots: int) -> SlotShares:
+        """DRR's measure: the weighted max-min share of the tier's slots (`SlotShares`),
+        the occupancy its weighted turns converge to, gated by its turns: a tenant is
+        owed a slot only if its head fits the credit of its current or next turn
+        (`take` then spends that turn). So preemption serves a tenant no more often
+        than DRR would — it only stops the turn from waiting for a slot to turn over —
+        and DRR's bound on weighted service holds; without the gate, a tenant whose
+        requests are short (`requests` cost) would hold its slot share against DRR's
+        request-count share by preempting at every turnover."""
+        return _TurnGatedShares(self._book.standings(tier, running, num_slots),
+                                self._book, tier, self._rings.get(tier, deque()),
+                                self.quantum, self.cost_model)
 
     # --- inspection --------------------------------------------------------------------
 
@@ -151,3 +183,22 @@ class DrrPolicy:
 
     def num_active(self, tier: str) -> int:
         return len(self._rings.get(tier, ()))
+
+
+class _TurnGatedShares(SlotShares):
+    def __init__(self, standings: dict[str, Standing], book: TenantBook, tier: str,
+                 ring: deque[TenantState], quantum: float, model: CostModel) -> None:
+        super().__init__(standings)
+        self._book, self._tier, self._ring = book, tier, ring
+        self._quantum, self._model = quantum, model
+
+    def owed(self, waiter: Standing) -> bool:
+        st = self._book.states.get((self._tier, waiter.tenant))
+        if st is None or waiter.head is None or not st.active or not super().owed(waiter):
+            return False
+        credit = st.credit
+        # Its next quantum comes with its next turn: now if it is not in one, or when
+        # its current one ends and nobody else in the ring has work to take a turn.
+        if not st.in_turn or not any(o.queue for o in self._ring if o is not st):
+            credit += self._quantum * st.weight
+        return estimate_cost(self._model, waiter.head) <= credit + _EPS

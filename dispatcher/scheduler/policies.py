@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from dispatcher.scheduler.base import Eligible, Policy
+from dispatcher.scheduler.base import Eligible, FairShares, Policy, estimate_cost
 from dispatcher.scheduler.cost import CostModel, make_cost_model
 from dispatcher.scheduler.drr import DrrPolicy
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
@@ -61,6 +61,9 @@ class FifoPolicy:
     def remove(self, req: QueuedRequest) -> None:
         self._live.pop(req.request_id, None)
 
+    def take(self, req: QueuedRequest, now_ms: float) -> None:
+        self.remove(req)
+
     def pop(self, tier: str, eligible: Eligible, now_ms: float) -> QueuedRequest | None:
         line = self._lines.get(tier)
         if not line:
@@ -80,19 +83,22 @@ class FifoPolicy:
         return found
 
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
-        return self.cost_model.estimate(req)
+        return estimate_cost(self.cost_model, req)
 
     def refund(self, req: QueuedRequest, now_ms: float) -> float:
         return req.est_cost
 
     def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
-        return self.cost_model.actual(req, usage) - req.est_cost
+        return self.cost_model.actual(req, usage) - req.est_cost - req.paid_cost
 
     def on_release(self, tenant: str, now_ms: float) -> None:
         pass
 
     def update_config(self, config: SchedulerConfig) -> None:
         pass  # FIFO has no per-tenant state: weights do not affect its order
+
+    def fair_shares(self, tier: str, running: Mapping[str, int], num_slots: int) -> FairShares | None:
+        return None  # arrival order is all FIFO promises: it never preempts
 
 
 _POLICIES: dict[str, Callable[[SchedulerConfig], Policy]] = {

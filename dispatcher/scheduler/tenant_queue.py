@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable, Iterable
 
 from dispatcher.scheduler.types import QueuedRequest
 
@@ -86,3 +87,31 @@ class TenantQueue:
     def requests(self) -> list[QueuedRequest]:
         """Live requests, best first (O(n log n): for shedding and inspection only)."""
         return [e[5] for e in sorted(self._live.values())]
+
+
+def shed_victims(queued: Iterable[QueuedRequest], tier_index: Callable[[str], int],
+                 num_victims: int) -> list[QueuedRequest]:
+    """Which `num_victims` queued requests overload shedding drops: the lowest tier
+    first; within a tier, the longest tenant queues are cut first (water-filling, so a
+    flood pays for itself), each losing its least urgent requests (the end of the
+    queue's order). O(queued · log) per call: it runs on overload, not per decision."""
+    by_tier: dict[int, dict[str, list[QueuedRequest]]] = {}
+    for req in queued:
+        by_tier.setdefault(tier_index(req.tier), {}).setdefault(req.tenant, []).append(req)
+    victims: list[QueuedRequest] = []
+    for i in sorted(by_tier, reverse=True):  # lowest tier first
+        if num_victims <= 0:
+            break
+        tenants = by_tier[i]
+        for reqs in tenants.values():  # least urgent last: (priority, deadline, arrival)
+            reqs.sort(key=lambda r: (-r.priority, r.deadline_ms is None,
+                                     r.deadline_ms or 0.0, r.seq))
+        longest = [(-len(reqs), name) for name, reqs in tenants.items()]
+        heapq.heapify(longest)
+        while num_victims > 0 and longest:
+            neg, name = heapq.heappop(longest)
+            victims.append(tenants[name].pop())
+            num_victims -= 1
+            if neg + 1 < 0:
+                heapq.heappush(longest, (neg + 1, name))
+    return victims

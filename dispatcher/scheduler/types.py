@@ -32,12 +32,39 @@ class QueuedRequest:
     est_kv_tokens: int = 0  # KV tokens charged against max_kv_tokens while in flight
     requeued: bool = False  # goes to the front of its priority class
     attempt: int = 0  # the client's attempt number for this request id
+    # Preemption (DESIGN.md 5b), set by the core:
+    enqueued_ms: float = 0.0  # when it last entered the queue (preempt_after_ms counts from it)
+    num_preemptions: int = 0  # times it was preempted: a continuation when > 0
+    num_generated_tokens: int = 0  # output tokens its earlier runs generated, all of them
+    paid_cost: float = 0.0  # what its earlier runs were charged, settled to the work they did
+    resume_cost: float = 0.0  # a continuation's estimated cost: the work left, nothing more
     # Opaque to the core: the shell's handle (JetStream message, decoded request).
     payload: Any = field(default=None, repr=False, compare=False)
 
     @property
     def kv_tokens(self) -> int:
         return self.prompt_tokens + self.max_output_tokens
+
+
+@dataclass(slots=True)
+class TenantLoad:
+    """Per-tenant live counters (quotas and metrics)."""
+
+    num_queued: int = 0
+    num_in_flight: int = 0
+    kv_tokens_in_flight: int = 0
+    dispatched_cost: float = 0.0  # cumulative, trued up to actual usage
+    queued_cost: float = 0.0  # estimated cost of the requests waiting
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A dispatched request, as the core tracks it until it ends or goes back."""
+
+    request: QueuedRequest
+    tier_index: int
+    started: bool = False
+    started_ms: float | None = None  # when this run started (min_run_ms counts from it)
 
 
 class Verdict(enum.Enum):
@@ -79,3 +106,25 @@ class ActualUsage:
     completion_tokens: int = 0
     kv_token_seconds: float = 0.0
     e2e_ms: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class PreemptionOrder:
+    """Preempt `request` on `worker_id`: the slot it frees goes to `for_request`.
+
+    The shell sends the order to the worker, which aborts the request and reports the
+    tokens it generated (`Scheduler.preempted`); until then the core holds the next free
+    slot for `for_request` (a request that was dispatched anyway is simply not held).
+    """
+
+    request: QueuedRequest  # the victim, running
+    worker_id: str
+    for_request: QueuedRequest  # the waiting request below its tenant's fair share
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def for_tenant(self) -> str:
+        return self.for_request.tenant

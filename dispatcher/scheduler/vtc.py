@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Mapping
 
-from dispatcher.scheduler.base import Eligible, TenantBook, TenantState
+from dispatcher.scheduler.base import (
+    Eligible,
+    SlotShares,
+    Standing,
+    TenantBook,
+    TenantState,
+    estimate_cost,
+)
 from dispatcher.scheduler.cost import CostModel, make_cost_model
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
@@ -92,6 +100,9 @@ class VtcPolicy:
         if st is not None:
             st.queue.remove(req)
 
+    def take(self, req: QueuedRequest, now_ms: float) -> None:
+        self.remove(req)  # `charge` raises its counter and re-keys it
+
     # --- selection ---------------------------------------------------------------------
 
     def pop(self, tier: str, eligible: Eligible, now_ms: float) -> QueuedRequest | None:
@@ -134,11 +145,13 @@ class VtcPolicy:
         self._book.update_config(config)
 
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
-        cost = self.cost_model.estimate(req)
+        cost = estimate_cost(self.cost_model, req)
         st = self._book.state(req)
         st.credit -= cost / st.weight
         self._last[st.tier] = self._counter(st)
-        if st.queue and not st.active and not st.parked:
+        if st.active or (st.queue and not st.parked):
+            # Back into the heap; an active state (charged out of turn: adopted, or a
+            # slot preemption freed for it) is re-keyed, its entry being stale.
             self._heap_push(st)
         return cost
 
@@ -150,15 +163,49 @@ class VtcPolicy:
         return req.est_cost
 
     def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
-        delta = self.cost_model.actual(req, usage) - req.est_cost
+        # A continuation's earlier runs were charged `paid_cost`: the total is trued up.
+        delta = self.cost_model.actual(req, usage) - req.est_cost - req.paid_cost
         st = self._book.state(req)
         st.credit -= delta / st.weight
         if st.active:
             self._heap_push(st)  # re-key: its counter changed
         return delta
 
+    def fair_shares(self, tier: str, running: Mapping[str, int], num_slots: int) -> SlotShares:
+        """VTC's measure: the counters decide who is owed — a waiter must be VTC's next
+        pick (its counter the lowest backlogged one: counter lift puts a newly active
+        tenant exactly there) and at or below its victim's counter. Counters are charged
+        at dispatch, so they cannot see how many slots a tenant holds right now: whether
+        the waiter is short and the victim above is the weighted slot share, as for DRR
+        (`SlotShares`). All must agree, so preemption serves no one VTC would not serve
+        next, and the counters stay as close as VTC keeps them."""
+        counters = {st.tenant: self._counter(st) for (t, _), st in self._book.states.items()
+                    if t == tier}
+        return _CounterGatedShares(self._book.standings(tier, running, num_slots), counters,
+                                   self._min_counter(tier))
+
     # --- inspection --------------------------------------------------------------------
 
     def counter(self, tier: str, tenant: str) -> float:
         st = self._book.states.get((tier, tenant))
         return self._counter(st) if st else 0.0
+
+
+class _CounterGatedShares(SlotShares):
+    def __init__(self, standings: dict[str, Standing], counters: dict[str, float],
+                 lowest: float | None) -> None:
+        super().__init__(standings)
+        self.counters, self.lowest = counters, lowest
+
+    def owed(self, waiter: Standing) -> bool:
+        mine = self.counters.get(waiter.tenant)
+        return (mine is not None and self.lowest is not None and mine <= self.lowest + 1e-9
+                and super().owed(waiter))
+
+    def may_move(self, victim: Standing, waiter: Standing) -> bool:
+        # A victim whose state was forgotten (its counter at or below the tier's floor)
+        # is never preempted by the counters' measure.
+        mine = self.counters.get(waiter.tenant)
+        theirs = self.counters.get(victim.tenant)
+        return (mine is not None and theirs is not None and mine <= theirs + 1e-9
+                and super().may_move(victim, waiter))

@@ -407,3 +407,27 @@ def test_a_tenants_only_request_goes_ahead_in_the_engine_queue():
     # Ranked by how much each tenant already runs: b's second request goes ahead of
     # a's third in the engine's waiting queue.
     assert prio == {"a1": 0, "b1": 0, "a2": 1, "b2": 1, "a3": 2}
+
+
+def test_vtc_charge_out_of_turn_rekeys_the_tenant():
+    # An adopted request (or one a preemption freed a slot for) is charged while its
+    # tenant waits in VTC's heap: the tenant's key must follow its counter, or it would
+    # be served next on a counter it no longer has.
+    s = Scheduler(SchedulerConfig(policy="vtc"))
+    for rid, tenant in [("a1", "a"), ("a2", "a"), ("b1", "b"), ("b2", "b")]:
+        assert s.submit(QueuedRequest(rid, tenant, "standard", 1, 1, 1), 0).accepted
+    assert s.adopt("a1", 1) is not None
+    assert tenants_of(s.select(2, 1)) == ["b", "a"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_shed_victims_match_the_queue_order(policy):
+    from dispatcher.scheduler.tenant_queue import shed_victims
+
+    s = Scheduler(SchedulerConfig(policy=policy, tiers=[TierConfig("gold"), TierConfig("free")]))
+    for r in (req("a", tier="free", priority=1, rid="a-urgent"), req("a", tier="free", rid="a-late"),
+              req("b", tier="free", rid="b-1"), req("g", tier="gold", rid="g-1")):
+        assert s.submit(r, 0).accepted
+    victims = shed_victims(s.queued(), s.tiers.index, 3)
+    # Lowest tier first, the longest line first, its least urgent request first.
+    assert [v.request_id for v in victims] == ["a-late", "a-urgent", "b-1"]

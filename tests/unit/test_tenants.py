@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from fairlane.poolconfig import SchedulerConfig, TenantConfig, TierConfig
+from fairlane.poolconfig import PreemptionConfig, SchedulerConfig, TenantConfig, TierConfig
 from fairlane.tenants import (
     TenantsFileError,
     TenantsWatcher,
@@ -170,6 +170,23 @@ api_keys = ["{hash_api_key(ACME_KEY)}"]
     assert f.lookup_key(ACME_KEY).name == "acme"
 
 
+def test_preemption_settings_per_pool(tmp_path):
+    doc = base()
+    knobs = {"preempt_after_ms": 500, "min_run_ms": 2000, "max_per_s": 5, "max_per_request": 1}
+    doc["pools"]["default"]["preemption"] = knobs
+    doc["pools"]["batch"]["preemption"] = {"enabled": False}
+    f = load_tenants(write(tmp_path, doc))
+    assert resolve_pool_config(f, "default").preemption == PreemptionConfig(**knobs)
+    batch = resolve_pool_config(f, "batch").preemption
+    assert not batch.enabled and batch.min_run_ms == PreemptionConfig().min_run_ms
+    # Left out: the same defaults as a SchedulerConfig built in code.
+    assert resolve_pool_config(default_tenants(), "default").preemption == \
+        SchedulerConfig().preemption == PreemptionConfig()
+    p = tmp_path / "t.toml"
+    p.write_text('[pools.default.preemption]\nmin_run_ms = 250\n', encoding="utf-8")
+    assert resolve_pool_config(load_tenants(p), "default").preemption.min_run_ms == 250.0
+
+
 def test_minimal_and_empty_documents():
     f = parse_tenants("tenants: {acme: {}}\n")
     assert [t.name for t in f.tiers] == ["standard"]
@@ -208,6 +225,9 @@ def _set(doc: dict, path: tuple, value) -> dict:
         cur = cur[k]
     cur[path[-1]] = value
     return doc
+
+
+PRE = ("pools", "default", "preemption")
 
 
 @pytest.mark.parametrize(
@@ -270,6 +290,14 @@ def _set(doc: dict, path: tuple, value) -> dict:
         ),
         (("pools", "default", "allow_unknown_tenants"), "yes please", "expected `bool`"),
         (("pools", "default", "default_tier"), "gold", "pools.default.default_tier: unknown tier"),
+        (PRE, {"min_run_ms": -1}, "pools.default.preemption.min_run_ms: must be >= 0, got -1"),
+        (PRE, {"preempt_after_ms": float("nan")}, "pools.default.preemption.preempt_after_ms: must be a finite"),
+        (PRE, {"max_per_s": 0}, "pools.default.preemption.max_per_s: must be > 0, got 0"),
+        (PRE, {"max_per_s": 2.5}, "pools.default.preemption.max_per_s: expected `int`"),
+        (PRE, {"max_per_request": -2}, "pools.default.preemption.max_per_request: must be > 0"),
+        (PRE, {"enabled": "yes"}, "pools.default.preemption.enabled: expected `bool`"),
+        (PRE, {"after_ms": 5}, "pools.default.preemption: object contains unknown field"),
+        (PRE, [], "pools.default.preemption: expected `object`, got `array`"),
         (("pools", "gpu.a"), {}, "pools.gpu.a: pool name 'gpu.a' is invalid"),
         (("pools",), {}, "pools: must define at least one pool"),
         (("models",), {}, "models: unknown section (expected one of: tiers, pools, tenants)"),

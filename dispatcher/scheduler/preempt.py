@@ -1,0 +1,274 @@
+"""Fleet-level preemption for fairness, decided in the pure core (DESIGN.md section 5b).
+
+With LLM-length outputs every slot of a busy pool is held for seconds, so a tenant that
+becomes active behind a flood waits for slots to turn over however fair the queue order
+is, and vLLM preempts only for KV, never for fairness. So the core decides, and the
+worker aborts the victim and reports what it generated (`Scheduler.preempted`), which
+requeues it as a continuation charged only for new work.
+
+- **When** (all must hold): preemption is enabled for the pool and its policy measures
+  fair shares (`fifo` does not: it never preempts); no worker has room (the caller says
+  how many pulled slots wait for work); a tenant short of its fair share by a whole
+  slot, and owed service by the policy's own accounts (its DRR turn, VTC's lowest
+  counter: `Policy.fair_shares`), has a queued request within its quotas that has
+  waited at least `preempt_after_ms`; fewer than `max_per_s` orders in the last
+  second. So preemption never serves a tenant more than its policy would: it only
+  stops that service from waiting for a slot to turn over.
+- **Whom**: lowest tier first. A higher tier reclaims what a lower one borrowed — down
+  to that tier's floor (in slots), and only while the tier selector ranks the waiting
+  tier ahead of it (a lower tier that aging or its floor puts first is not robbed);
+  never a higher tier for a lower one. Within the waiter's own tier, the tenant
+  furthest above its share by the policy's own measure (`Policy.fair_shares`), and
+  only if the policy calls the move fair (no tenant is preempted for itself, nor one
+  that is not above its share). Then that tenant's request that generated least —
+  proxy: fewest earlier preemptions, then the most recent start. Never a request that
+  ran less than `min_run_ms` since it (re)started (hysteresis), nor one preempted
+  `max_per_request` times already (so every request ends), nor one not yet started or
+  whose worker is unknown.
+- **Who gets the slot**: the waiting request the order names. The core *holds* the
+  next free slot for it (`Scheduler.select` serves held requests first). The policy
+  alone would not guarantee it: the victim's continuation is at the front of its own
+  tenant's queue and the policy picks tenants by its accounts (a DRR deficit, a VTC
+  counter), which may well favour the victim's tenant next.
+
+One order per waiting request and at most one outstanding per (tier, tenant), so no
+slot is taken unless a waiting request gets it. O(running + tenants of the contested
+tiers) per decision: the shell asks on its housekeeping tick, not per dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from dispatcher.scheduler.base import FairShares, Standing
+from dispatcher.scheduler.cost import CostModel
+from dispatcher.scheduler.types import InFlight, PreemptionOrder, QueuedRequest
+from fairlane.poolconfig import PreemptionConfig
+
+if TYPE_CHECKING:
+    from dispatcher.scheduler.core import Scheduler
+
+WINDOW_MS = 1_000.0  # the rate cap's window: at most max_per_s orders in any 1 s
+_EPS = 1e-9
+_MIN_COST = 1e-6  # a continuation is never free: a zero cost would never end a DRR turn
+
+WorkerOf = Callable[[str], str | None]
+Eligible = Callable[[str, int], bool]
+
+
+def continuation_cost(model: CostModel, req: QueuedRequest) -> float:
+    """What a continuation is charged: the whole request's estimate (expecting at least
+    one more token) less what its earlier runs paid — the work left, nothing more."""
+    whole = dataclasses.replace(req, payload=None, expected_output_tokens=max(
+        req.expected_output_tokens, req.num_generated_tokens + 1))
+    return max(model.estimate(whole) - req.paid_cost, _MIN_COST)
+
+
+class _NeverPreempts(Exception):
+    """The policy has no measure of fair shares (fifo)."""
+
+
+class Preemptor:
+    """Preemption state of one pool: orders in flight, held slots, rate cap, counters.
+
+    The shell may ask as often as it likes: a decision that found nothing to do is not
+    recomputed for `recheck_ms` (a decision costs O(running + tenants); waits are
+    measured in hundreds of ms)."""
+
+    recheck_ms = 20.0
+
+    def __init__(self) -> None:
+        self.pending: dict[str, str] = {}  # victim id -> waiter id: ordered, not yet ended
+        self.held: dict[str, QueuedRequest] = {}  # waiter id -> waiter: next free slot is its
+        self._order_times_ms: deque[float] = deque()  # orders within the last window
+        self.num_orders = 0
+        self._idle_until_ms = float("-inf")  # the last decision found nothing to do
+        # (tier, tenant) -> its requests preempted (reported by workers), for metrics.
+        self.preempted: Counter[tuple[str, str]] = Counter()
+
+    # --- hooks the core calls --------------------------------------------------------------
+
+    def next_held(self, queued: Mapping[str, QueuedRequest], eligible: Eligible) -> QueuedRequest | None:
+        """The first held request still queued and within its quotas. Holds that went
+        stale (dispatched anyway, cancelled, expired, quota filled since) are dropped:
+        that slot then goes by the policy."""
+        for rid in list(self.held):
+            req = self.held[rid]
+            if queued.get(rid) is req and eligible(req.tenant, req.kv_tokens):
+                return req
+            del self.held[rid]
+        return None
+
+    def on_left(self, request_id: str) -> None:
+        """The request left in flight (finished, requeued, preempted, lost)."""
+        self.pending.pop(request_id, None)
+
+    # --- the decision ------------------------------------------------------------------------
+
+    def decide(self, core: Scheduler, now_ms: float, num_free_slots: int,
+               worker_of: WorkerOf) -> list[PreemptionOrder]:
+        cfg = core.config.preemption
+        if not cfg.enabled or num_free_slots > 0 or not core.num_queued:
+            return []
+        times = self._order_times_ms
+        while times and times[0] <= now_ms - WINDOW_MS:
+            times.popleft()
+        if len(times) >= cfg.max_per_s or now_ms < self._idle_until_ms:
+            return []
+        decision = _Decision(core, self, cfg, now_ms, worker_of)
+        orders: list[PreemptionOrder] = []
+        while len(times) < cfg.max_per_s:
+            try:
+                order = decision.next_order()
+            except _NeverPreempts:
+                break
+            if order is None:
+                break
+            times.append(now_ms)
+            self.num_orders += 1
+            self.pending[order.request_id] = order.for_request.request_id
+            self.held[order.for_request.request_id] = order.for_request
+            orders.append(order)
+        if not orders:
+            self._idle_until_ms = now_ms + self.recheck_ms
+        return orders
+
+
+class _Decision:
+    """One decision's view: running counts per tier and tenant as they will be once
+    the orders so far are carried out (victims gone, held waiters running)."""
+
+    def __init__(self, core: Scheduler, pre: Preemptor, cfg: PreemptionConfig, now_ms: float,
+                 worker_of: WorkerOf) -> None:
+        self.core, self.cfg, self.now_ms, self.worker_of = core, cfg, now_ms, worker_of
+        self.tiers = core.tiers
+        self.running: dict[int, Counter[str]] = {}
+        self.victims: dict[tuple[int, str], list[InFlight]] = {}
+        self.busy: set[tuple[int, str]] = set()  # (tier, tenant) with a slot held already
+        pending, victims = pre.pending, self.victims
+        started_by = now_ms - cfg.min_run_ms
+        for rid, f in core.in_flight_entries():
+            if rid in pending:
+                continue  # leaving: its slot is promised to a held waiter
+            req = f.request
+            self._run(f.tier_index)[req.tenant] += 1
+            if (f.started_ms is not None and f.started_ms <= started_by
+                    and req.num_preemptions < cfg.max_per_request):
+                key = (f.tier_index, req.tenant)
+                some = victims.get(key)
+                if some is None:
+                    victims[key] = [f]
+                else:
+                    some.append(f)
+        for rid, w in list(pre.held.items()):
+            if core.queued_request(rid) is not w:
+                del pre.held[rid]
+                continue
+            i = self.tiers.index(w.tier)
+            self._run(i)[w.tenant] += 1
+            self.busy.add((i, w.tenant))
+        self.total = sum(sum(c.values()) for c in self.running.values())
+        self.order = self.tiers.order(now_ms)  # backlogged tiers, as the selector tries them
+
+    def _run(self, i: int) -> Counter[str]:
+        run = self.running.get(i)
+        if run is None:
+            run = self.running[i] = Counter()
+        return run
+
+    def _shares(self, i: int, extra_slots: int = 0) -> FairShares:
+        run = self._run(i)
+        view = self.core.policy.fair_shares(self.tiers.tiers[i].name, run,
+                                            sum(run.values()) + extra_slots)
+        if view is None:
+            raise _NeverPreempts
+        return view
+
+    def next_order(self) -> PreemptionOrder | None:
+        for i in range(len(self.tiers.tiers)):  # waiting tiers, highest first
+            if self.tiers.num_queued[i]:
+                order = self._reclaim(i) or self._within_tier(i)
+                if order is not None:
+                    return order
+        return None
+
+    # --- from a lower tier ---------------------------------------------------------------------
+
+    def _borrowed(self, j: int, i: int) -> bool:
+        """Tier j (below i) holds slots beyond its floor that tier i may reclaim now."""
+        n = sum(self._run(j).values())
+        if n == 0 or n - 1 < self.tiers.tiers[j].floor_share * self.total - _EPS:
+            return False
+        # The selector serves tier j first (under its floor, or aged past i): not robbed.
+        return j not in self.order or self.order.index(j) > self.order.index(i)
+
+    def _reclaim(self, i: int) -> PreemptionOrder | None:
+        for j in range(len(self.tiers.tiers) - 1, i, -1):  # lowest tier first
+            if not self._borrowed(j, i):
+                continue
+            # Who in tier i gets the reclaimed slot: the one furthest below its share of
+            # the tier's slots plus that one.
+            waiters = self._waiters(i, self._shares(i, extra_slots=1))
+            if not waiters:
+                return None
+            lower = self._shares(j).standings.values()
+            for v in sorted(lower, key=lambda s: (-s.excess, s.tenant)):
+                order = self._take(j, v.tenant, i, waiters[0])
+                if order is not None:
+                    return order
+        return None
+
+    # --- within the waiter's tier ------------------------------------------------------------
+
+    def _within_tier(self, i: int) -> PreemptionOrder | None:
+        view = self._shares(i)
+        waiters = self._waiters(i, view)
+        if not waiters:
+            return None
+        over = sorted((s for s in view.standings.values() if s.excess > _EPS),
+                      key=lambda s: (-s.excess, s.tenant))
+        for w in waiters:
+            for v in over:
+                if view.may_move(v, w):
+                    order = self._take(i, v.tenant, i, w)
+                    if order is not None:
+                        return order
+        return None
+
+    def _waiters(self, i: int, view: FairShares) -> list[Standing]:
+        """Tenants of tier i short of their share by a whole slot whose head may claim
+        one now, most under first (then the longest waiting)."""
+        out = []
+        for s in view.standings.values():
+            head = s.head
+            if (head is None or not view.owed(s) or (i, s.tenant) in self.busy
+                    or self.now_ms - head.enqueued_ms < self.cfg.preempt_after_ms
+                    or not self.core.within_quota(s.tenant, head.kv_tokens)):
+                continue
+            out.append(s)
+        out.sort(key=lambda s: (s.excess, s.head.enqueued_ms if s.head else 0.0, s.tenant))
+        return out
+
+    def _take(self, j: int, tenant: str, i: int, waiter: Standing) -> PreemptionOrder | None:
+        """Order the preemption of `tenant`'s (tier j) best victim for `waiter` (tier i)."""
+        best: tuple[tuple[int, float, int], InFlight, str] | None = None
+        candidates = self.victims.get((j, tenant), ())
+        for f in candidates:
+            worker = self.worker_of(f.request.request_id)
+            if worker is None:
+                continue
+            assert f.started_ms is not None
+            key = (f.request.num_preemptions, -f.started_ms, -f.request.seq)
+            if best is None or key < best[0]:
+                best = (key, f, worker)
+        if best is None or waiter.head is None:
+            return None
+        _, f, worker = best
+        self.victims[(j, tenant)].remove(f)
+        self._run(j)[tenant] -= 1
+        self._run(i)[waiter.tenant] += 1
+        self.busy.add((i, waiter.tenant))
+        return PreemptionOrder(f.request, worker, waiter.head)
