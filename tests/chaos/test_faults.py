@@ -1,0 +1,51 @@
+"""Issue 9, "Exactly-once under every single fault": one test per chaos scenario.
+
+Each test runs `tests.chaos.scenarios.run_scenario` — the same code `bench/chaos.py`
+measures and reports — on a smaller load, and asserts every check the scenario
+reports: 0 lost, 0 generated twice, 0 failed but billed, 0 wrongly failed, 0
+incomplete "ok" answers, every completion billed once in full, plus the scenario's own
+targets (recovery bounds, quotas, answers to strays). Definitions are in the docstring
+of `tests/chaos/scenarios.py`.
+
+KNOWN GAPS, failing on the current code (both racy: not every run hits them),
+kept failing to document the gap; the failure message starts with the diagnosis
+(`Scenario.known_gap` in `tests/chaos/scenarios.py`; remove it once fixed):
+
+- `nats_restart`: failed but billed (a token-seq gap after the broker restart ends the
+  stream with `internal`, and the worker bills every token it generated);
+- `dispatcher_crash_loop`: generated twice (an older attempt, redelivered after
+  ack_wait to a dispatcher that never saw the newer one, runs from scratch).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.chaos.scenarios import SCENARIOS, Params, run_scenario
+
+pytestmark = [pytest.mark.chaos]
+
+# Smaller than the benchmark (150 requests): each test stays around 15-45 s.
+QUICK = Params(num_requests=40, rate_per_s=6.0, scale=0.34)
+# The crash loop spans ~10 s: keep submitting through it (requests that arrive while
+# no dispatcher leads are what exposes its known gap).
+SIZES = {"dispatcher_crash_loop": Params(num_requests=80, rate_per_s=6.0, scale=0.34)}
+
+
+def _summary(res: dict) -> str:
+    failed = [c for c in res["checks"] if not c["ok"]]
+    keep = {k: res[k] for k in ("submitted", "completed", "failed", "lost", "generated_twice",
+                                "failed_but_billed", "wrongly_failed", "recovery_s")}
+    return (f"{res['scenario']}: failed checks {json.dumps(failed)}; counts {json.dumps(keep)}; "
+            f"ids {json.dumps({k: v for k, v in res['ids'].items() if v})}; "
+            f"evidence {json.dumps(res['evidence'])[:4000]}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+async def test_single_fault(name: str, tmp_path) -> None:
+    res = await run_scenario(name, SIZES.get(name, QUICK), tmp_path)
+    gap = SCENARIOS[name].known_gap
+    assert res["ok"], (f"KNOWN GAP: {gap}\n" if gap else "") + _summary(res)
