@@ -73,7 +73,8 @@ def evidence_of(run: ChaosRun, rid: str) -> dict[str, Any]:
                       "tokens": a.tokens, "lib_attempts": [a.lib_first, a.lib_last]}
                      for a in req.attempts],
         "dispatched": [(r(t), e, k) for t, e, k in obs.dispatched.get(rid, ())],
-        "started": [(r(t), w, i[:6]) for t, w, i in obs.started.get(rid, ())],
+        "started": [(r(t), w, i[:6], "resumed" if res else "fresh")
+                    for t, w, i, res in obs.started.get(rid, ())],
         "finished": [(r(t), w, i[:6], code, n) for t, w, i, code, n in obs.finished.get(rid, ())],
         "preempted": [r(t) for t in obs.preempted.get(rid, ())],
         "usage": [(r(t), u.worker_id, u.attempt, u.completion_tokens, u.finish_reason)
@@ -143,7 +144,10 @@ def analyse(run: ChaosRun, victim_worker: str | None = None) -> dict[str, Any]:
             u.finish_reason in BILLABLE_FINISH and any(
                 first_pub[k] < t for k in first_pub if k > u.attempt)
             for t, u in obs.usage.get(rid, ()))
+        # From scratch (not a continuation): only the client's own submissions.
+        fresh_starts = sum(1 for st in obs.started.get(rid, ()) if not st[3])
         if (len(obs.started.get(rid, ())) > allowed or fresh_chunks > allowed
+                or fresh_starts > max(1, len(req.attempts))
                 or any(n > 1 for n in per_attempt.values()) or superseded
                 or len(log_finished.get(rid, ())) > req.num_lib_attempts):
             twice.append(rid)

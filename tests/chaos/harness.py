@@ -141,7 +141,8 @@ class Observer:
     def __init__(self, pool: str = POOL) -> None:
         self.subjects = Subjects(PREFIX)
         self.pool = pool
-        self.started: dict[str, list[tuple[float, str, str]]] = defaultdict(list)
+        # rid -> (t, worker_id, incarnation, resumed: a continuation, not from scratch)
+        self.started: dict[str, list[tuple[float, str, str, bool]]] = defaultdict(list)
         self.finished: dict[str, list[tuple[float, str, str, str | None, int]]] = defaultdict(list)
         self.preempted: dict[str, list[float]] = defaultdict(list)
         self.heartbeats: dict[str, tuple[float, Heartbeat]] = {}
@@ -186,7 +187,8 @@ class Observer:
         except ProtocolError:
             return
         if isinstance(ev, Started):
-            self.started[ev.request_id].append((t, ev.worker_id, ev.incarnation))
+            self.started[ev.request_id].append((t, ev.worker_id, ev.incarnation,
+                                                getattr(ev, "resumed", False)))
         elif isinstance(ev, Finished):
             code = ev.error.code.value if ev.error is not None else None
             n = ev.usage.completion_tokens if ev.usage is not None else 0

@@ -30,8 +30,9 @@ after the run, the records FL_USAGE kept.
 - **lost**: no final answer within 60 s after the fault (or after the last submit, or
   the fault's end, whichever is later). A ``stream_lost`` is an answer, not a loss.
 - **generated twice**: any of
-  - more `Started` events, or more token chunks with ``seq`` 0 (fresh generations),
-    than attempts + preemption resumes;
+  - more `Started` events, or more token chunks with ``seq`` 0, than attempts +
+    preemption resumes; or more `Started` events that are not a continuation
+    (``resumed`` false) than the client's own submissions;
   - two *distinct* usage records with tokens for the same attempt (every publish on
     ``fl.usage.>`` is counted: JetStream's dedupe would hide the second; a worker
     re-publishing the *same* record after a timeout is ``usage_republished``, safe);
