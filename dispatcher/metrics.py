@@ -18,6 +18,21 @@ QUEUE_WAIT = Histogram(
     "fairlane_dispatcher_queue_wait_seconds", "Time from ingest to dispatch", ["tier"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+PREEMPTIONS = Counter(
+    "fairlane_dispatcher_preemptions_total",
+    "Running requests preempted to free a slot for a tenant below its fair share",
+    ["tier", "tenant"],
+)
+RECOMPUTED_TOKENS = Counter(
+    "fairlane_dispatcher_recomputed_tokens_total",
+    "Prefill tokens recomputed for continuations (preemption, migration), not cached",
+    ["tier"],
+)
+RESUME_LATENCY = Histogram(
+    "fairlane_dispatcher_resume_seconds",
+    "From a preempted request handed back to its continuation's first token", ["tier"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 QUEUE_DEPTH = Gauge("fairlane_dispatcher_queue_depth", "Requests queued", ["tenant"])
 IN_FLIGHT = Gauge("fairlane_dispatcher_in_flight", "Requests dispatched, not finished", ["tenant"])
 TIER_SHARE = Gauge(

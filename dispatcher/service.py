@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
+import msgspec
 import nats
 import structlog
 from nats.aio.msg import Msg
@@ -38,6 +39,8 @@ from fairlane.protocol import (
     Finished,
     Heartbeat,
     HeartbeatAck,
+    Preempt,
+    Preempted,
     ProtocolError,
     PullRequest,
     Requeue,
@@ -107,6 +110,7 @@ class Dispatcher(Ingest):
         self.lease: LeaderLease | None = None
         self.lease_lost = asyncio.Event()
         self._cut_off = False  # NATS unreachable at the last housekeeping pass
+        self._preempted_at: dict[str, float] = {}  # request id -> when it was handed back
 
     def _limits(self) -> RequestLimits:
         s = self.settings
@@ -228,6 +232,10 @@ class Dispatcher(Ingest):
             else:
                 pending.append(p)
         self._pulls = pending
+        if self.scheduler.num_queued and not self._pulls:
+            # Work waits and no worker has room: maybe a tenant below its fair share
+            # should not wait for a slot to turn over (DESIGN.md section 5b).
+            await self._apply(self.core.preemptions(now, 0))
 
     def _select_for(self, pull: PullRequest, now: float) -> list[WorkItem]:
         free_kv = pull.free_kv_tokens if pull.free_kv_tokens > 0 else None
@@ -242,7 +250,8 @@ class Dispatcher(Ingest):
             items.append(WorkItem(
                 request=held.request, engine_priority=d.engine_priority,
                 dispatched_ms=epoch, queue_ms=queue_ms, cache_salt=held.request.tenant,
-                ack_subject=held.msg.reply or None,
+                # A continuation's message was acked when it first started.
+                ack_subject=None if held.settled else (held.msg.reply or None),
             ))
         return items
 
@@ -272,15 +281,40 @@ class Dispatcher(Ingest):
                     log.warning("worker_fenced", worker_id=ev.worker_id, incarnation=inc)
         elif isinstance(ev, Started):
             actions = self.core.on_started(ev.request_id, ev.worker_id, now, incarnation=inc)
+            since = self._preempted_at.pop(ev.request_id, None)
+            if since is not None and actions:
+                tier = actions[0].request.tier
+                metrics.RESUME_LATENCY.labels(tier=tier).observe((now - since) / 1000)
         elif isinstance(ev, Finished):
+            if ev.usage is not None and ev.usage.num_recomputed_tokens:
+                metrics.RECOMPUTED_TOKENS.labels(tier=ev.usage.tier).inc(
+                    ev.usage.num_recomputed_tokens)
             actions = self.core.on_finished(ev.request_id, ev.worker_id, _usage(ev), now,
                                             incarnation=inc)
         elif isinstance(ev, Requeue):
             actions = self.core.on_handed_back(ev.request_id, ev.worker_id, now,
                                                incarnation=inc)
+        elif isinstance(ev, Preempted):
+            actions = self._on_preempted(ev, now)
         else:
             return
         await self._apply(actions)
+
+    def _on_preempted(self, ev: Preempted, now: float) -> list[act.Action]:
+        """A worker stopped a request we preempted: its continuation (the token ids the
+        client has, the next seq) replaces the request the next worker gets."""
+        req = self.scheduler.in_flight_request(ev.request_id)
+        if req is None:
+            return []
+        held: Held = req.payload
+        held.request = msgspec.structs.replace(held.request, resume=ev.resume)
+        actions = self.core.on_preempted(ev.request_id, ev.worker_id,
+                                         len(ev.resume.generated_token_ids), now,
+                                         incarnation=ev.incarnation)
+        if any(isinstance(a, act.Requeued) for a in actions):
+            self._preempted_at[ev.request_id] = now
+            metrics.PREEMPTIONS.labels(tier=req.tier, tenant=req.tenant).inc()
+        return actions
 
     # --- cancel ------------------------------------------------------------------------
 
@@ -332,6 +366,9 @@ class Dispatcher(Ingest):
             self.core.on_reconnected(now)
             log.info("nats_reconnected", pool=self.settings.pool)
         await self._apply(self.core.tick(now))
+        if self.scheduler.num_queued and not self._pulls and (
+                self.lease is None or self.lease.leading()):
+            await self._apply(self.core.preemptions(now, 0))
         await self._held.keep_alive(now)
         if self.tenants is not None and now >= self._next_reload_ms:
             self._next_reload_ms = now + self._reload_every_ms
@@ -380,6 +417,15 @@ class Dispatcher(Ingest):
                     await self._held.settle(held, "nak", delay_s=delay_ms / 1000)
                 case act.CheckStarted(reason=reason):
                     self._spawn(self._check_started(held, reason))
+                case act.Preempt(worker_id=worker_id, for_request=waiting):
+                    log.info("preempt_ordered", request_id=held.request.request_id,
+                             tenant=held.request.tenant, worker_id=worker_id,
+                             for_request_id=waiting.request_id, for_tenant=waiting.tenant)
+                    order = Preempt(request_id=held.request.request_id, worker_id=worker_id,
+                                    epoch=self.epoch)
+                    with contextlib.suppress(Exception):
+                        await self.nc.publish(self.subjects.preempt(self.settings.pool),
+                                              encode(order))
                 case act.SendError(code=code, message=message, retry_after_ms=retry_ms):
                     log.info("request_ended", request_id=held.request.request_id,
                              tenant=held.request.tenant, code=code.value, reason=message)

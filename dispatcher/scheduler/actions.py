@@ -74,6 +74,16 @@ class CheckStarted:
 
 
 @dataclass(slots=True, frozen=True)
+class Preempt:
+    """Tell `worker_id` to stop `request` and hand back its continuation: the slot it
+    frees is held for `for_request`, a waiting request below its tenant's fair share."""
+
+    request: QueuedRequest
+    worker_id: str
+    for_request: QueuedRequest
+
+
+@dataclass(slots=True, frozen=True)
 class SendError:
     """Tell the client, on the request's reply subject, why it ended."""
 
@@ -88,7 +98,7 @@ class Requeued:
     """Back in its tenant's queue (front of its class): serve waiting pulls again."""
 
     request: QueuedRequest
-    reason: str  # handed_back | worker_lost | reconciled
+    reason: str  # handed_back | worker_lost | reconciled | preempted
 
 
 @dataclass(slots=True, frozen=True)
@@ -107,8 +117,8 @@ class Released:
     num_requests: int
 
 
-Action = (Hold | Ack | Term | Nak | Defer | CheckStarted | SendError | Requeued | Adopted
-          | Released)
+Action = (Hold | Ack | Term | Nak | Defer | CheckStarted | Preempt | SendError | Requeued
+          | Adopted | Released)
 
 
 def refuse(req: QueuedRequest, code: ErrorCode, message: str,

@@ -43,6 +43,7 @@ from dispatcher.scheduler.actions import (
     Defer,
     Hold,
     Nak,
+    Preempt,
     Released,
     Requeued,
     SendError,
@@ -257,10 +258,12 @@ class PoolCore:
         known, out = self.contact(worker_id, incarnation, now_ms)
         if not known:
             return out
-        return out + self._mark_started(request_id)
+        return out + self._mark_started(request_id, now_ms)
 
-    def _mark_started(self, request_id: str) -> list[Action]:
-        if self.scheduler.is_started(request_id) or not self.scheduler.on_started(request_id, 0):
+    def _mark_started(self, request_id: str, now_ms: float) -> list[Action]:
+        # The start time is what min_run_ms (preemption hysteresis) counts from.
+        if (self.scheduler.is_started(request_id)
+                or not self.scheduler.on_started(request_id, now_ms)):
             return []
         req = self.scheduler.in_flight_request(request_id)
         assert req is not None
@@ -298,6 +301,31 @@ class PoolCore:
             return []
         return [Requeued(req, reason)]
 
+    # --- preemption (DESIGN.md section 5b; decided by `dispatcher.scheduler.preempt`) ---
+
+    def preemptions(self, now_ms: float, num_free_slots: int) -> list[Action]:
+        """Running requests to stop now so that waiting requests below their tenants'
+        fair share get the slots (none while a pulled slot waits for work)."""
+        orders = self.scheduler.preemptions(now_ms, num_free_slots, self._preemptible_on)
+        return [Preempt(o.request, o.worker_id, o.for_request) for o in orders]
+
+    def _preemptible_on(self, request_id: str) -> str | None:
+        """The live worker running it, if any (a request being checked is not)."""
+        if request_id in self._checking:
+            return None
+        return self.workers.worker_of(request_id)
+
+    def on_preempted(self, request_id: str, worker_id: str, num_generated_tokens: int,
+                     now_ms: float, incarnation: str = "") -> list[Action]:
+        """The worker stopped it and handed back its continuation: to the front of its
+        tenant's queue, charged only for what is left."""
+        known, out = self.contact(worker_id, incarnation, now_ms)
+        if not known or self.workers.worker_of(request_id) != worker_id:
+            return out
+        self.workers.unassign(request_id)
+        req = self.scheduler.preempted(request_id, num_generated_tokens, now_ms)
+        return out + ([Requeued(req, "preempted")] if req is not None else [])
+
     def on_heartbeat(self, worker_id: str, in_flight_ids: Iterable[str], now_ms: float, *,
                      interval_ms: float = 1_000.0, draining: bool = False,
                      load: LoadReport | None = None, incarnation: str = "",
@@ -311,7 +339,7 @@ class PoolCore:
             w.kv_tokens_used, w.kv_tokens_total = load.kv_tokens_used, load.kv_tokens_total
         for rid in started_ids:  # its Started event may have been lost
             if self.workers.worker_of(rid) == worker_id:
-                out.extend(self._mark_started(rid))
+                out.extend(self._mark_started(rid, now_ms))
         ids = list(in_flight_ids)
         for rid in ids:
             # After a restart JetStream redelivers requests a worker already holds:
