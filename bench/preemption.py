@@ -1,0 +1,650 @@
+"""Fleet-level preemption on the REAL fleet (issue 10): `python bench/preemption.py [--quick]`.
+
+Three variants that differ ONLY in the tenants file, run interleaved (order reversed
+every other repetition, `bench.harness`), each on a fresh dispatcher + 2 simulated GPU
+workers (`python -m gpu_worker --engine sim`) behind one loopback nats-server:
+
+    fifo          policy: fifo, preemption: {enabled: false}
+    drr           policy: drr,  preemption: {enabled: false}
+    drr+preempt   policy: drr,  preemption: {enabled: true, preempt_after_ms: 0}
+
+Workload: step model `default` (7B-class step times) at time scale 1.0, 2 workers x
+`--max-num-seqs 32`, 32 prompt tokens, output lengths uniform in 128-384 (mean 256; the
+simulator honours `expected_output_tokens`). TTFT = the client's monotonic clock from
+`submit()` to the first chunk. Scenarios per (variant, repetition), fleet idle between:
+
+ 0. alone (first `--alone-reps` repetitions): B probes the idle fleet, one request every
+    100 ms for `--alone-s` (20.5 s -> >= 200 samples); then E (enterprise) and L (short
+    outputs) the same. The references.
+ 1. noisy neighbour: A (free tier) publishes `--burst` requests (10,000; bounded publish
+    concurrency) so the fleet is full with a deep backlog; `--turnover-s` (5 s) later,
+    when slots turn over steadily, B (same tier, same weight) probes every 100 ms for
+    `--probe-s` (20.5 s -> >= 200 samples). B's requests have A's length distribution
+    and run to their end. NOTE: at 10/s x ~3 s each, B alone holds ~27-32 of the 64
+    slots, i.e. B's demand IS its equal-weight fair share: under any fair policy B is a
+    critically loaded queue of its own once A competes.
+ 1b. light neighbour (not in the issue): on the same backlog of A, after B's phase, L
+    probes every 100 ms with 16-48 output tokens (~2 slots: well under its share).
+ 2. tier reclaim: F (free) bursts `--tier-burst` (2,000, ~100 s of work), E (enterprise,
+    above free) probes every 100 ms for `--probe-s`.
+ 3. backlogged 1:2:4: tenants w1, w2, w4 (free tier, weights 1, 2, 4) each keep
+    `--outstanding` requests in the system (closed loop; far above the 64 slots), every
+    slot busy; over a `--window-s` (60 s) window: completion tokens/s (throughput,
+    compared with fifo of the same repetition), each tenant's share of the tokens
+    streamed, preemptions/s (Preempted events on fl.evt.<pool>, cross-checked with the
+    dispatcher's fairlane_dispatcher_preemptions_total) and recomputed prefill tokens
+    (Finished events' usage) as % of tokens generated.
+
+Workers run with `--prefetch-seqs 0` (the worker's default is 4) in every variant: with
+prefetch, the slot a preemption frees is taken at the next engine step by one of the
+flood's prefetched requests already waiting inside the engine, and the newcomer then
+waits there for the next natural turnover (measured: L's worker-side wait 71 ms p50 with
+prefetch 4 vs 27 ms with 0). With 256-token outputs a refill round trip is negligible
+next to a ~3 s request, so prefetch buys no throughput here. `--prefetch-seqs 4` runs
+the default.
+
+Why preempt_after_ms 0: the target is B's p99 <= 1.5x its p99 on an idle fleet (~20-30
+ms), i.e. 10-15 ms of slack, about one decode step; a preemption itself costs at least
+a step (the worker stops the victim at a step boundary, then the newcomer's prefill
+step). Any deliberate wait before preempting spends the whole budget; the hysteresis
+(min_run_ms, default 1 s) and the rate cap (max_per_s, default 20) bound the cost.
+`--preempt-after-ms` changes it (variant `drr+preempt@50` runs 50 ms beside it). In the
+backlogged scenario it changes nothing: a backlogged tenant's head has always waited
+longer than any such threshold.
+
+Writes bench/results/preemption.md + .json (--quick: preemption.quick.md/.json).
+Runtime on the 2-core dev VM: full ~33 min (3 reps x 3 variants; alone references in
+the first rep only), --quick ~4 min (1 rep, burst 1,000, 5 s probe windows: tails there
+are "max=" by construction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fleet import Fleet, WorkerSpec  # noqa: E402
+from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
+from bench.preemption_report import HOW_TO_READ, TITLE, report  # noqa: E402
+from fairlane.embedded import NatsServer  # noqa: E402
+from fairlane.protocol import Finished, Preempted, ProtocolError, decode_event  # noqa: E402
+from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams  # noqa: E402
+from producer.spec import new_request_id  # noqa: E402
+
+VARIANTS = ["fifo", "drr", "drr+preempt"]
+PROMPT = "x" * 128  # 32 prompt tokens (4 chars/token estimate)
+PROMPT_TOKENS = 32
+OUT_MIN, OUT_MAX = 128, 384  # output tokens, uniform (mean 256)
+WEIGHTED = {"w1": 1, "w2": 2, "w4": 4}
+TIERS = ("enterprise", "free")
+POOL = "default"
+
+
+def tenants_yaml(variant: str, args) -> str:
+    policy = "fifo" if variant == "fifo" else "drr"
+    if variant.startswith("drr+preempt"):
+        _, _, after = variant.partition("@")
+        after_ms = float(after) if after else args.preempt_after_ms
+        pre = (f"{{enabled: true, preempt_after_ms: {after_ms:g}, "
+               f"min_run_ms: {args.min_run_ms:g}, max_per_s: {args.max_per_s}}}")
+    else:
+        pre = "{enabled: false}"
+    quantum = PROMPT_TOKENS + 2 * (OUT_MIN + OUT_MAX) // 2  # one mean request's tokens cost
+    lines = [
+        "tiers:",
+        "  - {name: enterprise, engine_priority: 0}",
+        "  - {name: free, engine_priority: 10}",
+        "pools:",
+        f"  {POOL}:",
+        f"    policy: {policy}",
+        "    cost_model: tokens",
+        f"    quantum: {quantum}",
+        "    max_queued_total: 1000000",
+        f"    preemption: {pre}",
+        "tenants:",
+        "  A: {tier: free}",
+        "  B: {tier: free}",
+        "  F: {tier: free}",
+        "  E: {tier: enterprise}",
+        "  L: {tier: free}",
+    ]
+    lines += [f"  {k}: {{tier: free, weight: {w}}}" for k, w in WEIGHTED.items()]
+    return "\n".join(lines) + "\n"
+
+
+def tier_of(tenant: str) -> str:
+    return "enterprise" if tenant == "E" else "free"
+
+
+# --- the fleet, with the dispatcher's metrics port and preemption events ------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PFleet(Fleet):
+    """bench.fleet.Fleet + a Prometheus port on the dispatcher + Preempted/Finished
+    events from fl.evt.<pool> (monotonic receive time)."""
+
+    metrics_port: int = 0
+    preempted: list[tuple[float, str]] = field(default_factory=list)  # (t, request id)
+    # (t, tenant, num_recomputed_tokens, completion_tokens) per Finished with usage
+    finished: list[tuple[float, str, int, int]] = field(default_factory=list)
+
+    def _spawn(self, name, args):
+        if name == "dispatcher" and self.metrics_port:
+            args = [*args, "--metrics-port", str(self.metrics_port)]
+        return super()._spawn(name, args)
+
+    async def _on_event(self, msg) -> None:
+        await super()._on_event(msg)
+        try:
+            ev = decode_event(msg.data)
+        except ProtocolError:
+            return
+        now = time.monotonic()
+        if isinstance(ev, Preempted):
+            self.preempted.append((now, ev.request_id))
+        elif isinstance(ev, Finished) and ev.usage is not None:
+            self.finished.append((now, ev.usage.tenant, ev.usage.num_recomputed_tokens,
+                                  ev.usage.completion_tokens))
+
+    def scrape(self) -> dict[str, float]:
+        """Sums (over labels) of the dispatcher's preemption counters; {} if unreachable."""
+        if not self.metrics_port:
+            return {}
+        want = ("fairlane_dispatcher_preemptions_total",
+                "fairlane_dispatcher_recomputed_tokens_total")
+        out = dict.fromkeys(want, 0.0)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                        timeout=3) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return {}
+        for line in text.splitlines():
+            for name in want:
+                if line.startswith(name + "{") or line.startswith(name + " "):
+                    with contextlib.suppress(ValueError):
+                        out[name] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    def preempted_for(self) -> dict[str, str]:
+        """waiting request id -> victim request id, from the dispatcher's preempt_ordered
+        log lines."""
+        out: dict[str, str] = {}
+        f = self.log_dir / "dispatcher.log"
+        if not f.exists():
+            return out
+        for line in f.read_text(errors="replace").splitlines():
+            if "preempt_ordered" not in line:
+                continue
+            with contextlib.suppress(ValueError):
+                d = json.loads(line)
+                out[d.get("for_request_id", "")] = d.get("request_id", "")
+        return out
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    tenant: str
+    request_id: str = ""
+    n_out: int = 0
+    t_submit: float = 0.0
+    t_queued: float = 0.0
+    t_first: float | None = None
+    t_done: float | None = None
+    num_tokens: int = 0
+    error: str | None = None
+    stream: object = None
+    usage: object = None
+
+
+@dataclass
+class Tracker:
+    client: FairlaneClient
+    rng: random.Random
+    out_range: tuple[int, int] = (OUT_MIN, OUT_MAX)
+    reqs: list[Req] = field(default_factory=list)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    token_log: list[tuple[float, str, int]] | None = None
+
+    def spawn(self, tenant: str, sem: asyncio.Semaphore | None = None) -> Req:
+        r = Req(tenant, new_request_id(), self.rng.randint(*self.out_range))
+        self.reqs.append(r)
+        t = asyncio.get_running_loop().create_task(self._run(r, sem))
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+        return r
+
+    async def submit(self, r: Req) -> None:
+        loop = asyncio.get_running_loop()
+        r.t_submit = loop.time()
+        r.stream = await self.client.submit(RequestSpec(
+            tenant=r.tenant, tier=tier_of(r.tenant), request_id=r.request_id, prompt=PROMPT,
+            sampling=SamplingParams(max_tokens=self.out_range[1]),
+            expected_output_tokens=r.n_out))
+        r.t_queued = loop.time()
+
+    async def read(self, r: Req) -> None:
+        loop = asyncio.get_running_loop()
+        async for chunk in r.stream:
+            now = loop.time()
+            if r.t_first is None:
+                r.t_first = now
+            n = chunk.num_tokens or len(chunk.token_ids or ())
+            if chunk.usage is not None:
+                r.usage = chunk.usage
+            r.num_tokens += n
+            if self.token_log is not None and n:
+                self.token_log.append((now, r.tenant, n))
+        r.t_done = loop.time()
+
+    async def _run(self, r: Req, sem: asyncio.Semaphore | None) -> None:
+        try:
+            if sem is not None:
+                async with sem:
+                    await self.submit(r)
+            else:
+                await self.submit(r)
+            await self.read(r)
+        except RequestError as exc:
+            r.error = exc.error.code.value
+        except asyncio.CancelledError:
+            r.error = r.error or "bench_cancelled"
+            raise
+
+    async def cancel_all(self) -> int:
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        n = 0
+        for r in self.reqs:
+            if r.t_done is None and r.stream is not None and not r.stream.is_done:
+                with contextlib.suppress(Exception):
+                    await r.stream.cancel("bench_done")
+                n += 1
+        with contextlib.suppress(Exception):
+            await self.client.nc.flush(timeout=10)
+        return n
+
+
+async def wait_until(pred, timeout_s: float, step_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(step_s)
+    return pred()
+
+
+async def held(client: FairlaneClient, prefix: str) -> tuple[int, int]:
+    """(un-acked held by the dispatcher, not yet delivered) over both tiers' consumers."""
+    a = p = 0
+    for tier in TIERS:
+        with contextlib.suppress(Exception):
+            info = await client.js.consumer_info(f"{prefix.upper()}_REQUESTS",
+                                                 f"disp_{POOL}_{tier}")
+            a += info.num_ack_pending
+            p += info.num_pending
+    return a, p
+
+
+async def settle(fleet: PFleet, client: FairlaneClient, timeout_s: float = 40) -> str:
+    deadline = time.monotonic() + timeout_s
+    h = (-1, -1)
+    while time.monotonic() < deadline:
+        h = await held(client, fleet.prefix)
+        if h == (0, 0):
+            break
+        await asyncio.sleep(0.2)
+    idle = await fleet.wait_idle(max(1.0, deadline - time.monotonic()))
+    return "ok" if h == (0, 0) and idle else f"NOT settled: held={h} idle={idle}"
+
+
+# --- scenarios ----------------------------------------------------------------------------------
+
+
+def probe_record(r: Req, cutoff: float, victims: dict[str, str]) -> dict:
+    """One probe: client TTFT (ms; if none by `cutoff`, the censored lower bound) and
+    the server-side parts from its Usage."""
+    u = r.usage
+    ttft = (r.t_first - r.t_submit) * 1000 if r.t_first is not None else None
+    return {
+        "ttft_ms": ttft if ttft is not None else (cutoff - r.t_submit) * 1000,
+        "censored": ttft is None,
+        "queue_ms": float(u.queue_ms) if u is not None else None,
+        "worker_ms": float(u.ttft_ms) if u is not None else None,
+        "preempted_for": r.request_id in victims,
+        "error": r.error,
+    }
+
+
+async def probe(client: FairlaneClient, tenant: str, args, rng: random.Random,
+                duration_s: float, out_range: tuple[int, int] = (OUT_MIN, OUT_MAX),
+                done_grace_s: float | None = None) -> tuple[list[Req], Tracker, float]:
+    """One request from `tenant` every `args.probe_interval_s` for `duration_s`; waits
+    for their first tokens (bounded) and for those started to finish (bounded, for
+    their Usage). Returns (probes, tracker, cutoff time)."""
+    loop = asyncio.get_running_loop()
+    tr = Tracker(client, rng, out_range)
+    t0 = loop.time()
+    k = 0
+    while True:
+        target = t0 + k * args.probe_interval_s
+        if target >= t0 + duration_s:
+            break
+        delay = target - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tr.spawn(tenant)
+        k += 1
+    reqs = list(tr.reqs)
+    await wait_until(lambda: all(r.t_first or r.error for r in reqs), args.first_grace_s)
+    cutoff = loop.time()
+    await wait_until(lambda: all(r.t_done or r.error for r in reqs if r.t_first),
+                     args.done_grace_s if done_grace_s is None else done_grace_s)
+    return reqs, tr, cutoff
+
+
+async def scenario_alone(fleet: PFleet, client, args, tenant: str, seed: int,
+                         notes: list[str], tag: str,
+                         out_range: tuple[int, int] = (OUT_MIN, OUT_MAX)) -> dict:
+    # No Usage needed here (the split is reported for the bursts only): cancel at once.
+    reqs, tr, cutoff = await probe(client, tenant, args, random.Random(seed), args.alone_s,
+                                   out_range, done_grace_s=0.0)
+    await tr.cancel_all()
+    st = await settle(fleet, client)
+    if st != "ok":
+        notes.append(f"{tag}/alone {tenant}: {st}")
+    return {"probes": [probe_record(r, cutoff, {}) for r in reqs]}
+
+
+Phase = tuple[str, str, tuple[int, int]]  # (result key, prober tenant, output range)
+
+
+async def scenario_burst(fleet: PFleet, client, args, *, flood: str, burst: int,
+                         phases: list[Phase], seed: int, notes: list[str],
+                         tag: str) -> dict[str, dict]:
+    """`flood` publishes `burst` requests; once they are all queued and the fleet is
+    full, and `args.turnover_s` later (the burst's first requests all started together
+    and would otherwise end together: no slot frees for ~1.6 s, then many at once), each
+    phase's prober probes in turn (its leftovers cancelled before the next phase), all
+    on the same backlog. Then the burst's remainder is cancelled. {key: result}."""
+    loop = asyncio.get_running_loop()
+    tr = Tracker(client, random.Random(seed))
+    sem = asyncio.Semaphore(args.publish_concurrency)
+    t0 = loop.time()
+    flood_reqs = [tr.spawn(flood, sem) for _ in range(burst)]
+    await wait_until(lambda: all(r.t_queued or r.error for r in flood_reqs), 300, 0.02)
+    publish_s = loop.time() - t0
+    # The fleet is full once the first `slots` of the burst have started.
+    await wait_until(lambda: sum(1 for r in flood_reqs if r.t_first) >= args.slots, 30)
+    await asyncio.sleep(args.turnover_s)
+    out: dict[str, dict] = {}
+    for k, (key, prober, out_range) in enumerate(phases):
+        m0 = await asyncio.to_thread(fleet.scrape)
+        t_probe = loop.time()
+        reqs, ptr, cutoff = await probe(client, prober, args, random.Random(seed + 1 + k),
+                                        args.probe_s, out_range)
+        t_end = t_probe + args.probe_s
+        m1 = await asyncio.to_thread(fleet.scrape)
+        victims = fleet.preempted_for()
+        await ptr.cancel_all()
+        n_pre = sum(1 for t, _ in fleet.preempted if t_probe <= t < t_end)
+        out[key] = {
+            "publish_s": publish_s,
+            "probes": [probe_record(r, cutoff, victims) for r in reqs],
+            "probe_window_s": args.probe_s,
+            "preempted_events": n_pre,
+            "prom_delta": {n: m1.get(n, 0) - m0.get(n, 0) for n in m1} if m0 and m1 else {},
+            "flood_backlog": sum(1 for r in flood_reqs if not r.t_first and not r.error),
+            "errors": [r.error for r in reqs if r.error and r.error != "bench_cancelled"],
+        }
+    n_cancel = await tr.cancel_all()
+    st = await settle(fleet, client)
+    if st != "ok":
+        notes.append(f"{tag}/{flood} burst: after cancel, {st}")
+    errs = [r.error for r in flood_reqs if r.error and r.error != "bench_cancelled"]
+    if errs:
+        notes.append(f"{tag}/{flood} burst: {len(errs)} errors {sorted(set(errs))}")
+    for v in out.values():
+        v["flood_cancelled"] = n_cancel
+    return out
+
+
+async def scenario_backlogged(fleet: PFleet, client, args, seed: int, notes: list[str],
+                              tag: str) -> dict:
+    loop = asyncio.get_running_loop()
+    tr = Tracker(client, random.Random(seed))
+    tr.token_log = []
+    stop = False
+
+    async def closed_loop(tenant: str) -> None:
+        while not stop:
+            r = Req(tenant, new_request_id(), tr.rng.randint(OUT_MIN, OUT_MAX))
+            tr.reqs.append(r)
+            try:
+                await tr.submit(r)
+                await tr.read(r)
+            except RequestError as exc:
+                r.error = exc.error.code.value
+                await asyncio.sleep(0.05)
+
+    for tenant in WEIGHTED:
+        for _ in range(args.outstanding):
+            t = loop.create_task(closed_loop(tenant))
+            tr.tasks.add(t)
+            t.add_done_callback(tr.tasks.discard)
+    await asyncio.sleep(args.warmup_s)
+    m0 = await asyncio.to_thread(fleet.scrape)
+    w0 = time.monotonic()
+    lw0 = loop.time()
+    held_samples = []
+    while loop.time() < lw0 + args.window_s:
+        await asyncio.sleep(min(2.0, max(0.0, lw0 + args.window_s - loop.time())))
+        held_samples.append(await held(client, fleet.prefix))
+    lw1 = loop.time()
+    w1 = time.monotonic()
+    m1 = await asyncio.to_thread(fleet.scrape)
+    stop = True
+    await tr.cancel_all()
+    st = await settle(fleet, client)
+    if st != "ok":
+        notes.append(f"{tag}/backlogged: after cancel, {st}")
+    tokens = dict.fromkeys(WEIGHTED, 0)
+    for t, tenant, n in tr.token_log:
+        if lw0 <= t < lw1:
+            tokens[tenant] += n
+    total = sum(tokens.values())
+    span = lw1 - lw0
+    wsum = sum(WEIGHTED.values())
+    n_pre = sum(1 for t, _ in fleet.preempted if w0 <= t < w1)
+    recomputed = sum(rc for t, _, rc, _ in fleet.finished if w0 <= t < w1)
+    errs = [r.error for r in tr.reqs if r.error and r.error != "bench_cancelled"]
+    return {
+        "window_s": span,
+        "tokens": tokens,
+        "tok_per_s": total / span,
+        "shares": {k: v / total if total else None for k, v in tokens.items()},
+        "target": {k: w / wsum for k, w in WEIGHTED.items()},
+        "preemptions": n_pre,
+        "preemptions_per_s": n_pre / span,
+        "recomputed_tokens": recomputed,
+        "recomputed_pct": 100 * recomputed / total if total else None,
+        "prom_delta": {k: m1.get(k, 0) - m0.get(k, 0) for k in m1} if m0 and m1 else {},
+        "min_queued": min((h[0] + h[1] for h in held_samples), default=None),
+        "errors": errs,
+    }
+
+
+# --- one (variant, repetition) -------------------------------------------------------------------
+
+
+async def run_unit(variant: str, rep: int, *, nats_url: str, args, log_root: Path, run_id: str,
+                   notes: list[str]) -> dict:
+    short = {"fifo": "f", "drr": "d"}.get(variant) or "p" + variant.partition("@")[2]
+    prefix = f"pe{run_id}{short}{rep}"
+    tag = f"{variant}#{rep}"
+    spec = WorkerSpec(max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
+                      time_scale=args.time_scale, step_model="default")
+    fleet = PFleet(nats_url, prefix, tenants_yaml(variant, args), "fifo" if variant == "fifo"
+                   else "drr", log_root / f"{variant}-{rep}", num_workers=args.workers,
+                   worker=spec, metrics_port=free_port())
+    out: dict = {"variant": variant, "rep": rep}
+    client = None
+    seed = 1000 * (rep + 1)
+    try:
+        await fleet.start()
+        client = await FairlaneClient.connect(nats_url, prefix=prefix, max_buffered_chunks=4096)
+        # Warm-up: imports, connections, the first pulls.
+        wtr = Tracker(client, random.Random(0))
+        warm = [wtr.spawn(t) for t in ("B", "E", "B", "E")]
+        await wait_until(lambda: all(r.t_first or r.error for r in warm), 30)
+        await wtr.cancel_all()
+        await settle(fleet, client)
+        t = time.monotonic()
+        sc = set(args.scenarios.split(","))
+        light = tuple(args.light_out)
+        if rep < args.alone_reps:
+            if "noisy" in sc:
+                out["alone_B"] = await scenario_alone(fleet, client, args, "B", seed + 1, notes,
+                                                      tag)
+            if "tier" in sc:
+                out["alone_E"] = await scenario_alone(fleet, client, args, "E", seed + 2, notes,
+                                                      tag)
+            if "light" in sc:
+                out["alone_L"] = await scenario_alone(fleet, client, args, "L", seed + 9, notes,
+                                                      tag, light)
+        phases = [(k, who, rng) for k, who, rng in
+                  (("noisy", "B", (OUT_MIN, OUT_MAX)), ("light", "L", light)) if k in sc]
+        if phases:
+            out.update(await scenario_burst(fleet, client, args, flood="A", burst=args.burst,
+                                            phases=phases, seed=seed + 3, notes=notes, tag=tag))
+        if "tier" in sc:
+            out.update(await scenario_burst(fleet, client, args, flood="F",
+                                            burst=args.tier_burst, seed=seed + 5, notes=notes,
+                                            tag=tag, phases=[("tier", "E", (OUT_MIN, OUT_MAX))]))
+        if "backlogged" in sc:
+            out["backlogged"] = await scenario_backlogged(fleet, client, args, seed + 7, notes,
+                                                          tag)
+        out["elapsed_s"] = time.monotonic() - t
+    finally:
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.close(), 15)
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"{tag}: client.close failed: {exc!r}")
+        codes = await fleet.stop(grace_s=args.stop_grace_s)
+        bad = {k: v for k, v in codes.items() if v != 0}
+        if bad:
+            notes.append(f"{tag}: processes did not exit cleanly on SIGTERM: {bad} "
+                         "(None = SIGKILLed after the grace period)")
+        out["log_problems"] = fleet.log_problems(max_lines=0)
+        out["num_preempt_ordered"] = len(fleet.preempted_for())
+    return out
+
+
+async def amain(args) -> int:
+    meta = RunMeta.here()
+    run_id = f"{os.getpid() % 100000}"
+    notes: list[str] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fl-pre-") as tmp:
+        log_root = Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
+        with NatsServer(store_dir=str(Path(tmp) / "js")) as ns:
+            async def one(variant: str, rep: int) -> dict:
+                return await run_unit(variant, rep, nats_url=ns.url, args=args,
+                                      log_root=log_root, run_id=run_id, notes=notes)
+
+            records = await run_interleaved(args.variants.split(","), args.reps, one)
+    wall = time.monotonic() - t0
+    body = report(records, args, notes, wall)
+    print(body)
+    out = Path(args.output) if args.output else (
+        Path(__file__).with_name("results") / ("preemption.quick.md" if args.quick
+                                               else "preemption.md"))
+    data = {"args": vars(args), "wall_s": wall, "notes": notes,
+            "records": [r.__dict__ for r in records]}
+    md, js = write_results(out, TITLE, body, data, meta, HOW_TO_READ)
+    print(f"(written to {md} and {js})", file=sys.stderr)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="1 rep, burst 1,000, 5 s windows: a ~4 min smoke (p99s become max=)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="of fifo, drr, drr+preempt (--preempt-after-ms), drr+preempt@MS")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--alone-reps", type=int, default=1,
+                    help="repetitions (from the first) that also measure B and E alone")
+    ap.add_argument("--burst", type=int, default=None, help="A's burst (default 10,000)")
+    ap.add_argument("--tier-burst", type=int, default=None,
+                    help="F's free-tier burst (default 2,000: ~100 s of fleet work)")
+    ap.add_argument("--probe-s", type=float, default=None, help="probe window (default 20.5)")
+    ap.add_argument("--alone-s", type=float, default=None, help="alone window (default 20.5)")
+    ap.add_argument("--probe-interval-s", type=float, default=0.1)
+    ap.add_argument("--turnover-s", type=float, default=5.0,
+                    help="after the burst fills the fleet, wait this long before probing "
+                         "(longer than the longest request: slots turn over steadily)")
+    ap.add_argument("--scenarios", default="noisy,light,tier,backlogged",
+                    help="of noisy,light,tier,backlogged ('light': A's burst again, probed "
+                         "by L, whose outputs are --light-out tokens)")
+    ap.add_argument("--light-out", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
+    ap.add_argument("--first-grace-s", type=float, default=5.0,
+                    help="after the window, how long probes may wait for a first token")
+    ap.add_argument("--done-grace-s", type=float, default=5.0,
+                    help="after that, how long started probes may take to finish (Usage)")
+    ap.add_argument("--outstanding", type=int, default=60,
+                    help="closed-loop requests per backlogged tenant")
+    ap.add_argument("--warmup-s", type=float, default=None)
+    ap.add_argument("--window-s", type=float, default=None)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--prefetch-seqs", type=int, default=0,
+                    help="worker prefetch (the worker's default is 4; see the docstring)")
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--preempt-after-ms", type=float, default=0.0)
+    ap.add_argument("--min-run-ms", type=float, default=1000.0)
+    ap.add_argument("--max-per-s", type=int, default=20)
+    ap.add_argument("--publish-concurrency", type=int, default=256)
+    ap.add_argument("--stop-grace-s", type=float, default=6.0)
+    ap.add_argument("--log-dir", default="", help="keep process logs here (default: temp)")
+    ap.add_argument("--output", default="")
+    args = ap.parse_args()
+    q = args.quick
+    defaults = {"reps": 1 if q else 3, "burst": 1_000 if q else 10_000,
+                "tier_burst": 600 if q else 2_000, "probe_s": 5.0 if q else 20.5,
+                "alone_s": 5.0 if q else 20.5, "warmup_s": 4.0 if q else 6.0,
+                "window_s": 10.0 if q else 60.0}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.slots = args.workers * args.max_num_seqs
+    return asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
