@@ -146,8 +146,12 @@ def analyse(run: ChaosRun, victim_worker: str | None = None) -> dict[str, Any]:
             for t, u in obs.usage.get(rid, ()))
         # From scratch (not a continuation): only the client's own submissions.
         fresh_starts = sum(1 for st in obs.started.get(rid, ()) if not st[3])
+        # Any generation that starts once the client already has its complete answer.
+        answered_t = req.end_t if req.done and req.outcome == "ok" else None
+        after_answer = answered_t is not None and any(
+            st[0] > answered_t + 0.2 for st in obs.started.get(rid, ()))
         if (len(obs.started.get(rid, ())) > allowed or fresh_chunks > allowed
-                or fresh_starts > max(1, len(req.attempts))
+                or fresh_starts > max(1, len(req.attempts)) or after_answer
                 or any(n > 1 for n in per_attempt.values()) or superseded
                 or len(log_finished.get(rid, ())) > req.num_lib_attempts):
             twice.append(rid)

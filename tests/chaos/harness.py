@@ -577,6 +577,11 @@ class ChaosRun:
                             max(0.0, deadline - now()), "answers", interval_s=0.05)
         self.answers_done_t = now()
         settle_until = max(now(), (self.restore_t or 0.0) + 3.0) + settle_s
+        # A second attempt's message that a dispatcher neither held nor settled comes
+        # back after ack_wait (+ a restart grace): stay that long to see a late replay.
+        later = [t for pubs in self.obs.published.values() for t, k, _ in pubs if k > 0]
+        if later:
+            settle_until = max(settle_until, max(later) + self.spec.ack_wait_s + 4.5)
         await asyncio.sleep(max(0.0, settle_until - now()))
         self.stored_usage = await self._read_stored_usage()
         self.worker_log = []

@@ -5,7 +5,9 @@
 Each scenario starts a real fleet (`tests.chaos.harness.ChaosRun`: nats-server with a
 JetStream store, dispatcher(s), two simulated workers ``worker-0``/``worker-1``, the
 producer library as client), submits load, injects ONE fault mid-run, waits for every
-answer (bounded), lets late events arrive, and counts. `run_scenario(name, params,
+answer (bounded), lets late events arrive (3 s; when any request has a second
+attempt, until one ack_wait + grace after the last one, so a late replay of the other
+attempt's message is seen), and counts. `run_scenario(name, params,
 workdir)` returns one JSON-able dict.
 
 Counts, per request id. An *attempt* is one publish of the id with a new ``attempt``
@@ -38,7 +40,8 @@ after the run, the records FL_USAGE kept.
     re-publishing the *same* record after a timeout is ``usage_republished``, safe);
   - more ``request_finished`` log lines than attempts;
   - a superseded attempt replayed: dispatched (seen in a `WorkBatch`) after a newer
-    attempt of the id had been published, then generating (a usage record of it).
+    attempt of the id had been published, then generating (a usage record of it);
+  - any `Started` after the client already had its complete answer.
   Not counted (reported as ``finished_attempt_resumed``): an attempt that finished on
   a worker while its last chunks were lost, so the library had already resumed it and
   the tail is generated again — GPU waste, billed once (FL_USAGE keeps one record per
