@@ -292,6 +292,12 @@ class Preempt(Struct, kw_only=True, omit_defaults=True):
 
 
 
+# A cancel with this reason stops an attempt whose client resumes it elsewhere (chunks
+# were lost on the way): the worker publishes no usage for it, since the
+# continuation's record covers the whole request.
+GAP_CANCEL_REASON = "stream_gap"
+
+
 class Cancel(Struct, kw_only=True, omit_defaults=True):
     """On ``fl.cancel.<pool>``: drop it if queued, abort it if running."""
 

@@ -49,6 +49,7 @@ class InFlight:
     # The dispatcher preempted it to free the slot for a tenant below its fair share:
     # flush what was generated, abort, hand back a `Continuation`.
     preempted: bool = False
+    unbilled: bool = False  # cancelled by a client that resumes it: publish no usage
     # Every output token id of the request (earlier runs included): a preemption
     # hands them back, so the continuation re-prefills exactly what the client has.
     generated_ids: list[int] = field(default_factory=list)

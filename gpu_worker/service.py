@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from fairlane.protocol import (
+    GAP_CANCEL_REASON,
     ErrorCode,
     ErrorInfo,
     Heartbeat,
@@ -316,6 +317,9 @@ class Worker(RequestServing):
             return
         self.log.info("cancel", request_id=cancel.request_id, reason=cancel.reason)
         r.cancelled = True
+        # The client lost chunks and resumes elsewhere: the continuation's usage record
+        # will cover the whole request, so this attempt bills nothing.
+        r.unbilled = cancel.reason == GAP_CANCEL_REASON
         r.signal()
         try:
             await self.engine.abort(cancel.request_id)

@@ -262,7 +262,7 @@ class RequestServing:
             r,
         ):
             return
-        if usage.completion_tokens > 0:
+        if usage.completion_tokens > 0 and not r.unbilled:
             self._publish_usage(usage)  # tokens were generated: the tenant is metered
         self.log.info(
             "request_failed",

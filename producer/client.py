@@ -37,6 +37,7 @@ from fairlane.protocol import (
     PoolInfo,
     PoolInfoRequest,
     ProtocolError,
+    RequestState,
     RequestStatus,
     SamplingParams,
     StatusRequest,
@@ -411,6 +412,17 @@ class FairlaneClient:
 
     async def _resume(self, stream: RequestStream, error: ErrorInfo) -> bool:
         return await resume_stream(self, stream, error)
+
+    async def _await_attempt_end(self, stream: RequestStream, max_wait_s: float = 5.0) -> None:
+        """Until the pool's dispatcher no longer runs the stream's current attempt
+        (bounded): its continuation is then admitted as the next attempt."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max_wait_s
+        while loop.time() < deadline:
+            st = await self.request_status(stream.pool, stream.request_id, stream.tenant)
+            if st is None or st.state not in (RequestState.QUEUED, RequestState.RUNNING):
+                return
+            await asyncio.sleep(0.05)
 
     async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fairlane.errors import FairlaneError
-from fairlane.protocol import ErrorCode, ErrorInfo, InferenceRequest, TokenChunk, Usage
+from fairlane.protocol import (
+    GAP_CANCEL_REASON,
+    ErrorCode,
+    ErrorInfo,
+    InferenceRequest,
+    TokenChunk,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from producer.client import FairlaneClient
@@ -112,6 +119,18 @@ class RequestStream:
                 and self._resumes_left > 0 and self._request is not None
                 and len(self._token_ids) == self._num_tokens)
 
+    async def _resume_after_gap(self, why: str) -> bool:
+        """Chunks were lost on the way (our inbox subscription was re-establishing after
+        a broker restart while the worker's buffered chunks went out): stop this
+        attempt, unbilled, wait until the fleet has ended it, and continue from the
+        tokens we have — instead of failing a request whose tokens were generated."""
+        lost = ErrorInfo.of(ErrorCode.STREAM_LOST, why)
+        if not self._resumable(lost):
+            return False
+        await self._client.cancel(self.request_id, self.pool, self.tenant, GAP_CANCEL_REASON)
+        await self._client._await_attempt_end(self)
+        return await self._try_resume(lost)
+
     async def _try_resume(self, error: ErrorInfo) -> bool:
         if not self._resumable(error):
             return False
@@ -138,11 +157,11 @@ class RequestStream:
                 if chunk.seq < self._next_seq:
                     continue  # duplicate delivery: drop
                 if chunk.seq > self._next_seq:
-                    self.failure = ErrorInfo.of(
-                        ErrorCode.INTERNAL,
-                        f"token stream gap: expected seq {self._next_seq}, got {chunk.seq}",
-                    )
-                    await self.cancel("stream_gap")
+                    gap = f"token stream gap: expected seq {self._next_seq}, got {chunk.seq}"
+                    if await self._resume_after_gap(gap):
+                        continue
+                    self.failure = ErrorInfo.of(ErrorCode.INTERNAL, gap)
+                    await self.cancel(GAP_CANCEL_REASON)
                     raise RequestError.from_info(self.failure)
                 self._next_seq += 1
                 self._num_tokens += chunk.num_tokens

@@ -133,3 +133,33 @@ async def test_fifo_never_preempts(nats_server, nc, uid):
     seen, *_ = await _run(nats_server, nc, uid, PreemptionConfig(preempt_after_ms=0),
                           policy="fifo")
     assert sum(seen["preempted"].values()) == 0
+
+
+async def test_a_gap_in_the_stream_resumes_from_the_tokens_read(nats_server, nc, uid):
+    """Chunks lost on the way (a broker restart while the inbox re-subscribes): the
+    library stops that attempt unbilled and continues from what it has read."""
+    from fairlane.protocol import TokenChunk, encode
+    from tests.helpers import in_process_fleet
+
+    async with in_process_fleet(nats_server.url, nc, uid, time_scale=0.2) as (client, subjects):
+        stream = await client.submit(_long(7, tenant="gappy"))
+        it = stream.__aiter__()
+        got = [await asyncio.wait_for(it.__anext__(), 20) for _ in range(3)]
+        # A chunk from further on arrives first: chunks in between were lost.
+        ahead = TokenChunk(request_id=stream.request_id, seq=got[-1].seq + 5, text="?")
+        await nc.publish(f"{client.inbox}.{stream.request_id}", encode(ahead))
+        rest = [c async for c in it]
+        token_ids = [t for c in (*got, *rest) for t in (c.token_ids or [])]
+        assert len(token_ids) == LONG_TOKENS and rest[-1].finish_reason == "length"
+        assert stream.num_resumes == 1 and stream.attempt == 1
+        assert rest[-1].usage.completion_tokens == LONG_TOKENS
+        from fairlane.protocol import WorkItem
+        from gpu_worker.sim.engine import SimEngine
+        from tests.helpers import request
+        eng = SimEngine("default", time_scale=0.0)
+        item = WorkItem(request=request(request_id="calm", tenant="gappy", pool="p",
+                                        tier="standard", reply_to="fl.inbox.x.y",
+                                        prompt="x" * 64, max_tokens=LONG_TOKENS,
+                                        expected_output_tokens=LONG_TOKENS, seed=507))
+        assert token_ids == [t async for d in eng.generate(item) for t in d.token_ids]
+        await eng.close()
