@@ -47,6 +47,7 @@ async def resume_stream(client: FairlaneClient, stream: RequestStream, error: Er
     stream._unvouched_since_s = None
     stream._last_chunk_s = asyncio.get_running_loop().time()
     stream.attempt = req.attempt
+    stream._resumed_at_seq = stream._next_seq
     stream.num_resumes += 1
     client.num_resumes += 1
     log.info("stream_resuming", request_id=req.request_id, attempt=req.attempt,

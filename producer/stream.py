@@ -77,6 +77,7 @@ class RequestStream:
     _token_ids: list[int] = field(default_factory=list, repr=False)
     _num_tokens: int = 0
     _resumes_left: int = 0
+    _resumed_at_seq: int = 0  # the current attempt's first seq (0 unless resumed)
     _wants_token_ids: bool = True
     num_resumes: int = 0
 

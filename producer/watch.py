@@ -37,8 +37,22 @@ class Action(enum.StrEnum):
 
 
 def silence_action(status: RequestStatus | None, silent_s: float,
-                   max_silence_s: float) -> tuple[Action, ErrorInfo | None]:
-    """What a stream with no chunk for `silent_s` does, given the status answer."""
+                   max_silence_s: float, started: bool = True) -> tuple[Action, ErrorInfo | None]:
+    """What a stream with no chunk for `silent_s` does, given the status answer.
+
+    `started`: a chunk of the request's current attempt has arrived. A request not yet
+    started that a dispatcher does not know is still in JetStream (its publish was
+    acked): a dispatcher that died with it delivered but un-acked gets it back after
+    `ack_wait`, so "unknown" is waited out (up to twice `max_silence_s`, which covers
+    the default 30 s ack_wait) instead of resumed as a new attempt — the old one would
+    run too once it comes back to a dispatcher that never saw the new one end.
+    """
+    if status is not None and status.state == RequestState.UNKNOWN and not started:
+        if silent_s < 2 * max_silence_s:
+            return Action.ASK_AGAIN, None
+        return Action.FAIL, ErrorInfo.of(
+            ErrorCode.STREAM_LOST,
+            f"no dispatcher has seen the request for {silent_s:.0f} s")
     if status is None:
         if silent_s >= max_silence_s:
             return Action.FAIL, ErrorInfo.of(

@@ -37,6 +37,14 @@ def test_silence_ended_cleanly_or_unknown_is_stream_lost(state: str) -> None:
     assert err.code is ErrorCode.STREAM_LOST and err.retryable
 
 
+def test_silence_unknown_before_any_chunk_is_waited_out_as_jetstream_redelivers() -> None:
+    # The message may sit un-acked at a dead dispatcher until ack_wait: a new attempt
+    # now would run beside it.
+    assert silence_action(st("unknown"), 45.0, 30.0, started=False) == (Action.ASK_AGAIN, None)
+    action, err = silence_action(st("unknown"), 60.0, 30.0, started=False)
+    assert action is Action.FAIL and err.code is ErrorCode.STREAM_LOST
+
+
 def test_silence_no_answer_asks_again_until_max_silence() -> None:
     assert silence_action(None, 29.9, 30.0) == (Action.ASK_AGAIN, None)
     action, err = silence_action(None, 30.0, 30.0)
