@@ -5,16 +5,16 @@ measures and reports — on a smaller load, and asserts every check the scenario
 reports: 0 lost, 0 generated twice, 0 failed but billed, 0 wrongly failed, 0
 incomplete "ok" answers, every completion billed once in full, plus the scenario's own
 targets (recovery bounds, quotas, answers to strays). Definitions are in the docstring
-of `tests/chaos/scenarios.py`.
+of `tests/chaos/scenario_base.py`.
 
-KNOWN GAPS, failing on the current code (both racy: not every run hits them),
-kept failing to document the gap; the failure message starts with the diagnosis
-(`Scenario.known_gap` in `tests/chaos/scenarios.py`; remove it once fixed):
-
-- `nats_restart`: failed but billed (a token-seq gap after the broker restart ends the
-  stream with `internal`, and the worker bills every token it generated);
-- `dispatcher_crash_loop`: generated twice (an older attempt, redelivered after
-  ack_wait to a dispatcher that never saw the newer one, runs from scratch).
+Two gaps this suite found are fixed, and their scenarios hold the fix: `nats_restart`
+(a token-seq gap after the broker restart ended the stream with `internal` while the
+worker billed every token: the library now resumes from the tokens it read and the
+cut-off attempt bills nothing) and `dispatcher_crash_loop` (a request the new leader
+did not know yet was resumed as a new attempt, and the old one ran too after the next
+crash: an unstarted request a dispatcher calls unknown is now waited out). A
+scenario that finds a new gap sets `Scenario.known_gap`; its failure message then
+starts with the diagnosis.
 """
 
 from __future__ import annotations
