@@ -19,7 +19,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from dispatcher import metrics
 from dispatcher.held import Held
 from dispatcher.scheduler.types import QueuedRequest
-from fairlane.protocol import ErrorCode, ProtocolError, decode_request, peek_reply_fields
+from fairlane.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    ProtocolError,
+    decode_request,
+    peek_reply_fields,
+)
 from fairlane.runtime import mono_ms, now_ms
 from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
 from fairlane.validation import check_request, estimate_prompt_tokens
@@ -94,6 +100,20 @@ class Ingest:
                 await self._ingest(msg)
             self._wake.set()
 
+    async def _duplicate_of_live(self, msg: Msg, req: Any, original: Any) -> None:
+        """The same request published again (another message) while it is queued or
+        running: the original's stream already goes to its reply subject, so the same
+        reply subject just attaches; another one is told it is a duplicate. Either way
+        this message leaves the stream now instead of waiting for ack_wait."""
+        if req.reply_to != original.reply_to:
+            state = "running" if self.core.scheduler.in_flight_request(req.request_id) else "queued"
+            await self._send_error(req.reply_to, req.request_id, ErrorInfo.of(
+                ErrorCode.DUPLICATE, f"request {req.request_id} is already {state} (attempt "
+                f"{original.attempt}); its tokens go to the first submitter's reply subject"))
+        log.info("duplicate_of_live_request", request_id=req.request_id,
+                 same_reply=req.reply_to == original.reply_to)
+        await _term(msg)
+
     async def _ingest(self, msg: Msg) -> None:
         metrics.INGESTED.inc()
         try:
@@ -123,9 +143,13 @@ class Ingest:
             return
 
         known = self._held.get(req.request_id)
-        if known is not None:
+        if known is not None and _redelivered(msg):
             # A redelivery of a request we already hold: keep the newest handle.
             self._held.redelivered(known, msg, mono_ms())
+            return
+        live = self.core.live_request(req.request_id)
+        if live is not None and req.attempt <= live.attempt:
+            await self._duplicate_of_live(msg, req, live.payload.request)
             return
 
         now = mono_ms()

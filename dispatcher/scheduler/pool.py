@@ -107,6 +107,11 @@ class PoolCore:
     def in_grace(self, now_ms: float) -> bool:
         return bool(self._grace_until_ms) and now_ms < self._grace_until_ms
 
+    def live_request(self, request_id: str) -> QueuedRequest | None:
+        """The request if it is queued or in flight here (deferred ones are not)."""
+        return (self.scheduler.queued_request(request_id)
+                or self.scheduler.in_flight_request(request_id))
+
     def is_known(self, request_id: str) -> bool:
         return request_id in self._deferred or self.scheduler.is_known(request_id)
 

@@ -93,3 +93,33 @@ async def test_a_served_pool_whose_leader_is_gone_keeps_its_requests(dispatcher,
     await asyncio.sleep(2.5)  # past stranded_after_s: still waiting for its dispatcher
     assert answers.empty()
     assert await _subject_count(nc, subjects, subjects.request("q", "standard", "acme")) == 1
+
+
+async def test_republishing_a_queued_id_answers_or_attaches_and_leaves_the_stream(
+        dispatcher, nc):
+    """The same id published again (no Nats-Msg-Id, so JetStream keeps both) while the
+    first is still queued: another reply subject is told `duplicate`; the same one
+    attaches. The extra message is removed at once, not parked for ack_wait."""
+    d, subjects = dispatcher
+    first = await _publish_raw(nc, subjects, "p", "standard", "r-dup")
+    await wait_until(lambda: d.scheduler.is_queued("r-dup"), 5)
+    # Same body, same reply subject: attaches silently.
+    req = request(request_id="r-dup", tenant="acme", pool="p", tier="standard",
+                  reply_to=f"{subjects.prefix}.inbox.raw.r-dup", prompt="hi")
+    await nc.jetstream().publish(subjects.request("p", "standard", "acme"), encode(req))
+    # Another reply subject: an explicit answer.
+    other = await _publish_raw(nc, subjects, "p", "standard", "r-dup-x")
+    twin = request(request_id="r-dup", tenant="acme", pool="p", tier="standard",
+                   reply_to=f"{subjects.prefix}.inbox.raw.r-dup-x", prompt="hi")
+    await nc.jetstream().publish(subjects.request("p", "standard", "acme"), encode(twin))
+    chunk = await asyncio.wait_for(other.get(), 5)
+    assert chunk.request_id == "r-dup" and chunk.error.code == ErrorCode.DUPLICATE
+    assert "queued" in chunk.error.message
+
+    async def one_left() -> bool:  # r-dup itself, still queued; r-dup-x is its own id
+        n = await _subject_count(nc, subjects, subjects.request("p", "standard", "acme"))
+        return n == 2
+
+    await wait_until(one_left, 5)
+    assert first.empty()  # the original's stream was not touched
+    assert d.scheduler.is_queued("r-dup")
