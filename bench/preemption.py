@@ -53,7 +53,7 @@ backlogged scenario it changes nothing: a backlogged tenant's head has always wa
 longer than any such threshold.
 
 Writes bench/results/preemption.md + .json (--quick: preemption.quick.md/.json).
-Runtime on the 2-core dev VM: full ~33 min (3 reps x 3 variants; alone references in
+Runtime on the 2-core dev VM: full 28 min (3 reps x 3 variants; alone references in
 the first rep only), --quick ~4 min (1 rep, burst 1,000, 5 s probe windows: tails there
 are "max=" by construction).
 """
@@ -102,7 +102,8 @@ def tenants_yaml(variant: str, args) -> str:
                f"min_run_ms: {args.min_run_ms:g}, max_per_s: {args.max_per_s}}}")
     else:
         pre = "{enabled: false}"
-    quantum = PROMPT_TOKENS + 2 * (OUT_MIN + OUT_MAX) // 2  # one mean request's tokens cost
+    # Default: one mean request's `tokens` cost (32 + 2 x 256).
+    quantum = args.quantum or PROMPT_TOKENS + 2 * (OUT_MIN + OUT_MAX) // 2
     lines = [
         "tiers:",
         "  - {name: enterprise, engine_priority: 0}",
@@ -336,6 +337,8 @@ def probe_record(r: Req, cutoff: float, victims: dict[str, str]) -> dict:
         "queue_ms": float(u.queue_ms) if u is not None else None,
         "worker_ms": float(u.ttft_ms) if u is not None else None,
         "preempted_for": r.request_id in victims,
+        "n_out": r.n_out,
+        "request_id": r.request_id,
         "error": r.error,
     }
 
@@ -516,7 +519,9 @@ async def run_unit(variant: str, rep: int, *, nats_url: str, args, log_root: Pat
     seed = 1000 * (rep + 1)
     try:
         await fleet.start()
-        client = await FairlaneClient.connect(nats_url, prefix=prefix, max_buffered_chunks=4096)
+        extra = {"silence_s": args.client_silence_s} if args.client_silence_s else {}
+        client = await FairlaneClient.connect(nats_url, prefix=prefix, max_buffered_chunks=4096,
+                                              **extra)
         # Warm-up: imports, connections, the first pulls.
         wtr = Tracker(client, random.Random(0))
         warm = [wtr.spawn(t) for t in ("B", "E", "B", "E")]
@@ -630,6 +635,11 @@ def main() -> int:
     ap.add_argument("--min-run-ms", type=float, default=1000.0)
     ap.add_argument("--max-per-s", type=int, default=20)
     ap.add_argument("--publish-concurrency", type=int, default=256)
+    ap.add_argument("--quantum", type=float, default=0.0,
+                    help="DRR quantum (default 544: one mean request's tokens cost)")
+    ap.add_argument("--client-silence-s", type=float, default=0.0,
+                    help="the bench client's silence_s (0: the library default, 3 s: every "
+                         "queued stream silent that long asks the dispatcher its status)")
     ap.add_argument("--stop-grace-s", type=float, default=6.0)
     ap.add_argument("--log-dir", default="", help="keep process logs here (default: temp)")
     ap.add_argument("--output", default="")
