@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dispatcher.service")
 
+# A fetch's pull request stays open at the server this long: short, because one still
+# open when the dispatcher stops delivers into its inbox after it stopped reading, and
+# the stop waits that long to hand such late deliveries back (`nak_late_deliveries`).
+FETCH_WAIT_S = 0.25
+
 
 class Ingest:
     """Mixin of `dispatcher.service.Dispatcher`: consuming FL_REQUESTS."""
@@ -78,7 +83,7 @@ class Ingest:
                 # Wait for the first message alone: a batched fetch that got one message
                 # keeps waiting for the rest of its batch until its deadline, which
                 # would hold a lone request for up to the whole timeout.
-                msgs = await sub.fetch(1, timeout=1.0)
+                msgs = await sub.fetch(1, timeout=FETCH_WAIT_S)
                 # Then take what is already waiting, asking for exactly that many so
                 # the fetch returns as soon as they arrive.
                 pending = _num_pending(msgs[0])
@@ -96,9 +101,38 @@ class Ingest:
                 log.warning("fetch_failed", tier=tier, error=repr(exc))
                 await asyncio.sleep(0.2)
                 continue
-            for msg in msgs:
-                await self._ingest(msg)
+            done = 0
+            try:
+                for msg in msgs:
+                    await self._ingest(msg)
+                    done += 1
+            except asyncio.CancelledError:
+                # Stopping mid-batch: fetched but not yet held, these would wait out
+                # ack_wait; hand them straight back (a held one is nak'ed twice: harmless).
+                for msg in msgs[done:]:
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
+                raise
             self._wake.set()
+
+    async def nak_late_deliveries(self, subs: list) -> int:
+        """Stopping: a pull request still open at the server (up to FETCH_WAIT_S) may
+        deliver after the fetch loops stopped; nak what arrives, or it would wait out
+        ack_wait before the next leader gets it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FETCH_WAIT_S + 0.05
+        n = 0
+        while loop.time() < deadline:
+            for sub in subs:
+                try:
+                    msgs = await sub.fetch(self.settings.fetch_batch, timeout=0.05)
+                except Exception:  # nothing came (timeout), or the connection is gone
+                    continue
+                for msg in msgs:
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
+                n += len(msgs)
+        return n
 
     async def _duplicate_of_live(self, msg: Msg, req: Any, original: Any) -> None:
         """The same request published again (another message) while it is queued or

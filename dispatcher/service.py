@@ -102,6 +102,7 @@ class Dispatcher(Ingest):
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()  # CheckStarted look-ups in progress
+        self._pull_subs: list = []  # one JetStream pull subscription per tier
         self._subs: list = []
         self._stopping = False
         self.ready = asyncio.Event()
@@ -140,6 +141,7 @@ class Dispatcher(Ingest):
         for tier in self.scheduler.config.tiers:
             sub = await self._consumer(tier.name)
             self._subs.append(sub)
+            self._pull_subs.append(sub)
             self._tasks.append(asyncio.create_task(self._fetch_loop(tier.name, sub)))
         self._subs.append(await self.nc.subscribe(
             self.subjects.work(s.pool), queue="dispatchers", cb=self._on_pull))
@@ -174,6 +176,10 @@ class Dispatcher(Ingest):
         if self.lease is not None:  # release first: a standby takes over, gets the naks below
             await self.lease.stop()
         await asyncio.gather(*(cancel_and_wait(t) for t in (*self._tasks, *self._checks)))
+        if self.nc is not None and self.nc.is_connected and self._pull_subs:
+            late = await self.nak_late_deliveries(self._pull_subs)
+            if late:
+                log.info("late_deliveries_handed_back", num_messages=late)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -273,11 +273,16 @@ class Worker(RequestServing):
                 continue
             backoff_s = BACKOFF_MIN_S
             if batch.items and not self._epochs.admit(batch.epoch):
-                # A deposed leader's batch: never start it; hand it back (the new leader
-                # gets the un-acked messages from JetStream after ack_wait anyway).
+                # A deposed leader's batch: never start it; hand it back.
                 self.log.warning("stale_epoch_refused", epoch=batch.epoch,
                                  newest=self._epochs.newest, num_items=len(batch.items))
                 for item in batch.items:
+                    if item.ack_subject:
+                        # Hand its message straight back to JetStream: the deposed
+                        # leader holds it, and the new one would otherwise get it only
+                        # after ack_wait.
+                        with contextlib.suppress(Exception):
+                            await self._nc.publish(item.ack_subject, b"-NAK")
                     await self._event(Requeue(request_id=item.request.request_id,
                                               worker_id=self.worker_id, reason="stale_epoch"))
                 continue
