@@ -99,6 +99,9 @@ class LeaderLease:
     machine: LeaseMachine = field(init=False)
     _kv: object = None
     _task: asyncio.Task | None = None
+    # Whether the lease was released (graceful stop) just before this process took
+    # it: then every redelivery is a queued request the predecessor handed back.
+    predecessor_released: bool = False
 
     def __post_init__(self) -> None:
         self.machine = LeaseMachine(ttl_ms=self.ttl_s * 1000)
@@ -139,6 +142,16 @@ class LeaderLease:
             self.machine.lost()
             log.info("lease_released", key=self.key)
 
+    async def _released(self) -> bool:
+        """The key's last entry is a delete marker (a release), not absent or expired."""
+        try:
+            raw = await asyncio.wait_for(
+                self.js.get_msg(f"KV_{self.bucket}", subject=f"$KV.{self.bucket}.{self.key}"),
+                timeout=self.machine.renew_every_ms / 1000)
+        except Exception:  # absent, expired, unreachable
+            return False
+        return (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE")
+
     async def _loop(self) -> None:
         while True:
             await self.step()
@@ -160,6 +173,9 @@ class LeaderLease:
                 log.warning("lease_lost", key=self.key, epoch=m.epoch, error=str(e))
                 m.lost()
         elif not was_leader:
+            # A delete marker: the last leader released the lease (a graceful stop);
+            # an expired or absent key: it crashed, or there was none.
+            self.predecessor_released = await self._released()
             try:
                 rev = await asyncio.wait_for(
                     self._kv.create(self.key, self.holder.encode()), timeout=m.renew_every_ms / 1000)

@@ -137,7 +137,14 @@ class Dispatcher(Ingest):
         # A standby waits here: no consumers, no pull/info answers until it leads.
         self.lease = pool_lease(self.js, s.prefix, s.pool, s.leader_lease_ttl_s, self._fenced)
         self.epoch = await self.lease.acquire()
-        self.core.begin_grace(mono_ms())  # adopt what workers report for a predecessor
+        if not self.lease.predecessor_released:
+            # After a crash, redeliveries may be running on workers already: wait one
+            # worker timeout for their heartbeats before dispatching them. A graceful
+            # predecessor handed back only queued requests: serve them at once (a
+            # redelivery a worker does run is still adopted from its heartbeats).
+            self.core.begin_grace(mono_ms())
+        else:
+            log.info("graceful_takeover", pool=s.pool, epoch=self.epoch)
         for tier in self.scheduler.config.tiers:
             sub = await self._consumer(tier.name)
             self._subs.append(sub)
