@@ -41,14 +41,16 @@ async def edge(nats_server, nc, uid, tmp_path):
 async def test_unknown_fields_via_extra_body_get_a_normal_answer(edge):
     url, sdk = edge
     extra = {"x_trace_tag": "abc", "metadata": {"team": "search"}}
+    # seed: the simulator's output length is random per request (1 + Exp(mean 128)),
+    # and would end with "stop" before 6 tokens ~5% of the time; seed 2 runs long.
     raw = await sdk.chat.completions.with_raw_response.create(
-        model="p", messages=MESSAGES, max_tokens=6, extra_body=extra)
+        model="p", messages=MESSAGES, max_tokens=6, seed=2, extra_body=extra)
     assert raw.headers["x-fairlane-ignored-fields"] == "metadata,x_trace_tag"
     resp = raw.parse()
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 6 and resp.choices[0].message.content
 
-    stream = await sdk.completions.create(model="p", prompt="hello", max_tokens=5,
+    stream = await sdk.completions.create(model="p", prompt="hello", max_tokens=5, seed=2,
                                           stream=True, extra_body=extra)
     finish = [c.choices[0].finish_reason async for c in stream if c.choices]
     assert finish[-1] == "length"
