@@ -24,10 +24,9 @@ from fairlane.protocol import (
     ErrorInfo,
     ProtocolError,
     decode_request,
-    peek_reply_fields,
 )
 from fairlane.runtime import mono_ms, now_ms
-from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
+from fairlane.subjects import Subjects, reply_of
 from fairlane.validation import check_request, estimate_prompt_tokens
 
 if TYPE_CHECKING:
@@ -160,14 +159,7 @@ class Ingest:
                 )
             check_request(req, self.limits)
         except ProtocolError as exc:
-            rid, reply = peek_reply_fields(msg.data)
-            if reply is None and msg.headers:
-                reply = msg.headers.get(REPLY_HEADER)
-            if reply is not None:
-                try:
-                    check_reply_subject(reply)
-                except ProtocolError:
-                    reply = None
+            rid, reply = reply_of(msg.data, msg.headers)
             log.warning("request_refused", subject=msg.subject, request_id=rid,
                         code=exc.code.value, error=exc.message)
             metrics.REJECTED.labels(reason=exc.code.value).inc()

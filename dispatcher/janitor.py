@@ -32,9 +32,8 @@ from fairlane.protocol import (
     ProtocolError,
     TokenChunk,
     encode,
-    peek_reply_fields,
 )
-from fairlane.subjects import REPLY_HEADER, Subjects, check_reply_subject
+from fairlane.subjects import Subjects, reply_of
 
 log = structlog.get_logger(__name__)
 
@@ -112,16 +111,10 @@ class Janitor:
                     continue
             except Exception:  # another janitor took it first
                 continue
-            rid, reply = peek_reply_fields(raw.data or b"")
-            if reply is None and raw.headers:
-                reply = raw.headers.get(REPLY_HEADER)
+            rid, reply = reply_of(raw.data or b"", raw.headers)
             log.warning("stranded_request_refused", subject=subject, request_id=rid,
                         reason=why)
             if reply:
-                try:
-                    check_reply_subject(reply)
-                except ProtocolError:
-                    continue
                 chunk = TokenChunk(request_id=rid or "", seq=0,
                                    error=ErrorInfo.of(ErrorCode.INVALID_REQUEST, why))
                 await self.send(reply, encode(chunk))

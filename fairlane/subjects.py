@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from fairlane.protocol import ID_PATTERN, ErrorCode, ProtocolError
+from fairlane.protocol import ID_PATTERN, ErrorCode, ProtocolError, peek_reply_fields
 
 DEFAULT_PREFIX = "fl"
 # Header carrying the reply subject beside the body, so a request whose body cannot
@@ -36,6 +36,21 @@ def check_reply_subject(value: str) -> str:
             ErrorCode.INVALID_REQUEST,
         )
     return value
+
+
+def reply_of(data: bytes, headers: dict | None) -> tuple[str | None, str | None]:
+    """(request_id, a valid reply subject or None) of a request message that may not
+    decode: from the body if it can be read, else the reply header, so whoever sent an
+    unreadable or unservable request can still be told why."""
+    rid, reply = peek_reply_fields(data)
+    if reply is None and headers:
+        reply = headers.get(REPLY_HEADER)
+    if reply is not None:
+        try:
+            check_reply_subject(reply)
+        except ProtocolError:
+            reply = None
+    return rid, reply
 
 
 class Subjects:
