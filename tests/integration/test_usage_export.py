@@ -44,8 +44,10 @@ async def test_totals_of_a_real_workers_usage_records(nats_server, nc, uid):
     async with in_process_fleet(nats_server.url, nc, uid, time_scale=0.05) as (client, subjects):
         since = now_ms()
         plan = {"acme": [3, 5, 7], "globex": [2]}  # tenant -> max_tokens of each request
+        # expected_output_tokens: the simulator's natural length, else random (1 +
+        # Exp(mean 128)) and a short one ends with "stop" before max_tokens.
         streams = [(tenant, await client.submit(spec(tenant=tenant, pool="p", prompt="hello",
-                                                     max_tokens=n)))
+                                                     max_tokens=n, expected_output_tokens=n)))
                    for tenant, sizes in plan.items() for n in sizes]
         done = {tenant: [] for tenant in plan}
         for tenant, stream in streams:
