@@ -66,14 +66,21 @@ class PreemptionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     """Fleet-level preemption for fairness (DESIGN.md 5b): a pool's ``preemption`` entry.
 
     When a tenant short of its fair share (by a whole slot, and owed by its policy's
-    accounts) has a request that waited `preempt_after_ms` and no worker has room, the
+    accounts) has a request that waited `preempt_after_ms` (`quiet_preempt_after_ms`
+    if its whole demand fits in its share) and no worker has room, the
     core preempts one running request of a tenant above its share (lowest tier first)
     and hands the freed slot to the waiting request; the victim resumes later from the
     tokens it has (`dispatcher.scheduler.preempt`). `fifo` never preempts.
     """
 
     enabled: bool = True
-    preempt_after_ms: float = 200.0  # the waiting request's queue time before it may preempt
+    # How long the head of a backlogged tenant (more demand than its share) waits for
+    # a slot to turn over before one is preempted for it: it waits behind its own queue
+    # anyway, and turnover usually serves it within this.
+    preempt_after_ms: float = 200.0
+    # The same for a quiet tenant (running + queued within its fair share): fair
+    # queueing promises it no wait, so by default it preempts at once.
+    quiet_preempt_after_ms: float = 0.0
     # Hysteresis: a request runs at least this long after it (re)started before it may be
     # preempted (again), so a slot is not handed back and forth.
     min_run_ms: float = 1_000.0

@@ -42,6 +42,15 @@ class Standing:
     head: QueuedRequest | None  # its next queued request, if any
     share: float = 0.0  # fair share of the tier's slots (fractional)
     excess: float = 0.0  # (num_running - share) / weight: > 0 above its share, < 0 below
+    demand: float = 0.0  # slots it would use now: running + queued (capped by its quota)
+
+    @property
+    def quiet(self) -> bool:
+        """Its whole demand fits in its fair share: a tenant that, served as fair
+        queueing promises, would wait for nobody (its queue is only the requests that
+        arrived while every slot was held). A backlogged tenant's head waits behind its
+        own queue however slots are shared."""
+        return self.demand <= self.share + _EPS
 
 
 class FairShares(Protocol):
@@ -229,7 +238,8 @@ class TenantBook:
             if cap is not None:
                 demand = max(min(demand, cap), n)  # quota-blocked work claims no share
             demands[tenant] = (weight, demand)
-            out[tenant] = Standing(tenant, weight, n, st.queue.peek() if st else None)
+            out[tenant] = Standing(tenant, weight, n, st.queue.peek() if st else None,
+                                   demand=demand)
         for tenant, share in water_fill(demands, num_slots).items():
             s = out[tenant]
             s.share = share

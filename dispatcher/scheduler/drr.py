@@ -170,7 +170,8 @@ class DrrPolicy:
         than DRR would — it only stops the turn from waiting for a slot to turn over —
         and DRR's bound on weighted service holds; without the gate, a tenant whose
         requests are short (`requests` cost) would hold its slot share against DRR's
-        request-count share by preempting at every turnover."""
+        request-count share by preempting at every turnover. A quiet tenant (demand
+        within its share) may take its next turn early, once (see `owed`)."""
         return _TurnGatedShares(self._book.standings(tier, running, num_slots),
                                 self._book, tier, self._rings.get(tier, deque()),
                                 self.quantum, self.cost_model)
@@ -198,7 +199,13 @@ class _TurnGatedShares(SlotShares):
             return False
         credit = st.credit
         # Its next quantum comes with its next turn: now if it is not in one, or when
-        # its current one ends and nobody else in the ring has work to take a turn.
-        if not st.in_turn or not any(o.queue for o in self._ring if o is not st):
+        # its current one ends and nobody else in the ring has work to take a turn. A
+        # quiet tenant (its whole demand fits in its share) may spend its next turn's
+        # quantum early: with every slot held by a flood, DRR's round advances only as
+        # slots turn over, and a tenant that asks for less than its share should not
+        # wait for the round to come back. It goes at most one turn into debt, which
+        # its next turn repays, so DRR's bound widens by one quantum at most.
+        if (not st.in_turn or waiter.quiet
+                or not any(o.queue for o in self._ring if o is not st)):
             credit += self._quantum * st.weight
         return estimate_cost(self._model, waiter.head) <= credit + _EPS

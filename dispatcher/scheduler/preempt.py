@@ -11,7 +11,11 @@ requeues it as a continuation charged only for new work.
   how many pulled slots wait for work); a tenant short of its fair share by a whole
   slot, and owed service by the policy's own accounts (its DRR turn, VTC's lowest
   counter: `Policy.fair_shares`), has a queued request within its quotas that has
-  waited at least `preempt_after_ms`; fewer than `max_per_s` orders in the last
+  waited at least `preempt_after_ms` — `quiet_preempt_after_ms` (default 0) for a
+  quiet tenant, whose running + queued requests fit in its share: fair queueing
+  promises it no wait, while a backlogged tenant waits behind its own queue anyway and
+  turnover usually serves it first (preempting for it only burns recompute); fewer
+  than `max_per_s` orders in the last
   second. So preemption never serves a tenant more than its policy would: it only
   stops that service from waiting for a slot to turn over.
 - **Whom**: lowest tier first. A higher tier reclaims what a lower one borrowed — down
@@ -244,8 +248,9 @@ class _Decision:
         out = []
         for s in view.standings.values():
             head = s.head
+            after_ms = self.cfg.quiet_preempt_after_ms if s.quiet else self.cfg.preempt_after_ms
             if (head is None or not view.owed(s) or (i, s.tenant) in self.busy
-                    or self.now_ms - head.enqueued_ms < self.cfg.preempt_after_ms
+                    or self.now_ms - head.enqueued_ms < after_ms
                     or not self.core.within_quota(s.tenant, head.kv_tokens)):
                 continue
             out.append(s)

@@ -22,6 +22,9 @@ _ids = itertools.count()
 def cfg(policy: str = "drr", *, tenants: dict[str, TenantConfig] | None = None,
         tiers: list[TierConfig] | None = None, cost_model: str = "requests",
         quantum: float = 1.0, **pre) -> SchedulerConfig:
+    # The scenarios below time one threshold; quiet tenants get their own only where
+    # a test names it.
+    pre.setdefault("quiet_preempt_after_ms", pre.get("preempt_after_ms", 200.0))
     return SchedulerConfig(
         policy=policy, cost_model=cost_model, quantum=quantum, throttle_window_ms=0,
         tiers=tiers or [TierConfig("standard")], tenants=tenants or {},
@@ -58,11 +61,11 @@ def run(s: Scheduler, n: int, start_ms: list[float] | float) -> list[str]:
 
 @pytest.mark.parametrize("policy", ["drr", "vtc"])
 def test_waiting_tenant_preempts_the_floods_most_recent_request(policy):
-    s = Scheduler(cfg(policy))
+    s = Scheduler(cfg(policy, quiet_preempt_after_ms=200))
     flood(s, "a", 10, 0)
     a_ids = run(s, 4, [0, 10, 30, 20])
     (b1,) = flood(s, "b", 1, 1500)
-    assert s.preemptions(1500, 0, worker_of) == []  # b has not waited preempt_after_ms
+    assert s.preemptions(1500, 0, worker_of) == []  # b has not waited 200 ms
     assert s.preemptions(1650, 0, worker_of) == []
     (order,) = s.preemptions(1700, 0, worker_of)
     assert (order.request_id, order.worker_id, order.for_request) == (a_ids[2], "w0", b1)
@@ -134,11 +137,51 @@ def test_victim_prefers_fewest_preemptions_then_the_latest_start():
     assert order.request_id == a_ids[2]
 
 
-def test_drr_preempts_for_a_tenant_in_its_turn_only():
-    """b, behind a's flood, is short of its share (2 of 4) by two slots, but DRR
-    gives it one request per turn (quantum 1, cost 1): preemption takes that turn's
-    slot at once, and the next only when DRR's round comes back to b."""
-    s = Scheduler(cfg())
+@pytest.mark.parametrize("policy", ["drr", "vtc"])
+def test_quiet_tenant_preempts_at_once_and_a_backlogged_one_after_preempt_after_ms(policy):
+    """b's one request fits in its share (2 of 4 slots): it is quiet and, by default,
+    preempts at once. c then floods: its demand exceeds its share, so its head waits
+    preempt_after_ms for turnover first."""
+    s = Scheduler(cfg(policy, preempt_after_ms=200, quiet_preempt_after_ms=0, min_run_ms=0))
+    flood(s, "a", 10, 0)
+    run(s, 4, 0)
+    (b1,) = flood(s, "b", 1, 1000)
+    (order,) = s.preemptions(1000, 0, worker_of)
+    assert order.for_request is b1
+    s.preempted(order.request_id, 1, 1000)
+    (d,) = s.select(1, 1000)
+    assert d.request is b1 and s.on_started(b1.request_id, 1000)
+    flood(s, "c", 10, 2000)  # shares 4/3 each: c short by a whole slot, but backlogged
+    assert s.preemptions(2000, 0, worker_of) == []
+    assert s.preemptions(2150, 0, worker_of) == []
+    (order,) = s.preemptions(2200, 0, worker_of)
+    assert order.for_tenant == "c" and order.request.tenant == "a"
+
+
+def test_drr_lets_a_quiet_tenant_take_its_next_turn_early_once():
+    """b is quiet (2 requests; share 2 of 4) but its DRR turn is spent (quantum 1, cost
+    1): it may borrow its next turn's quantum once, so both of its requests preempt
+    without waiting for the round to come back; a third would wait for its turn."""
+    s = Scheduler(cfg(min_run_ms=0, quiet_preempt_after_ms=0))
+    flood(s, "a", 20, 0)
+    run(s, 4, 0)
+    for t in (1000, 2000):
+        (b,) = flood(s, "b", 1, t)
+        (order,) = s.preemptions(t, 0, worker_of)
+        assert order.for_request is b
+        s.preempted(order.request_id, 1, t)
+        (d,) = s.select(1, t)
+        assert d.request is b and s.on_started(b.request_id, t)
+    assert s.policy.deficit("standard", "b") == pytest.approx(-1.0)  # one turn of debt
+    flood(s, "b", 1, 3000)  # b at its share now (2 of 4): not owed anyway
+    assert s.preemptions(3000, 0, worker_of) == []
+
+
+def test_drr_preempts_for_a_backlogged_tenant_in_its_turn_only():
+    """b, behind a's flood, is short of its share (2 of 4) by two slots and backlogged
+    (5 queued), and DRR gives it one request per turn (quantum 1, cost 1): preemption
+    takes that turn's slot at once, and the next only when DRR's round comes back."""
+    s = Scheduler(cfg(preempt_after_ms=0))
     flood(s, "a", 20, 0)
     a_ids = run(s, 4, [0, 1, 2, 3])
     flood(s, "b", 5, 100)
