@@ -18,7 +18,9 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from fairlane.protocol import InferenceRequest
+from dispatcher import metrics
+from dispatcher.scheduler.types import Dispatch
+from fairlane.protocol import InferenceRequest, WorkItem
 
 log = structlog.get_logger(__name__)
 
@@ -112,3 +114,17 @@ class HeldMessages:
         except Exception as exc:
             log.warning("settle_failed", request_id=held.request.request_id, action=action,
                         error=str(exc))
+
+
+def work_item(d: Dispatch, now: float, epoch_ms: int) -> WorkItem:
+    """The `WorkItem` for one dispatch (a pull's batch, or a preemption's replacement)."""
+    held: Held = d.request.payload
+    queue_ms = int(now - d.request.arrival_ms)
+    metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
+    metrics.DISPATCHED_COST.labels(tenant=d.request.tenant, tier=d.request.tier).inc(d.cost)
+    return WorkItem(
+        request=held.request, engine_priority=d.engine_priority,
+        dispatched_ms=epoch_ms, queue_ms=queue_ms, cache_salt=held.request.tenant,
+        # A continuation's message was acked when it first started.
+        ack_subject=None if held.settled else (held.msg.reply or None),
+    )

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
-from dispatcher.held import Held, HeldMessages
+from dispatcher.held import Held, HeldMessages, work_item
 from dispatcher.ingest import Ingest
 from dispatcher.janitor import Janitor
 from dispatcher.leader import LeaderLease, pool_lease
@@ -256,16 +256,7 @@ class Dispatcher(Ingest):
         epoch = now_ms()
         for d in self.core.select(pull.worker_id, pull.max_items, now, free_kv,
                                   incarnation=pull.incarnation):
-            held: Held = d.request.payload
-            queue_ms = int(now - d.request.arrival_ms)
-            metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
-            metrics.DISPATCHED_COST.labels(tenant=d.request.tenant, tier=d.request.tier).inc(d.cost)
-            items.append(WorkItem(
-                request=held.request, engine_priority=d.engine_priority,
-                dispatched_ms=epoch, queue_ms=queue_ms, cache_salt=held.request.tenant,
-                # A continuation's message was acked when it first started.
-                ack_subject=None if held.settled else (held.msg.reply or None),
-            ))
+            items.append(work_item(d, now, epoch))
         return items
 
     # --- events from workers -----------------------------------------------------------
@@ -430,12 +421,16 @@ class Dispatcher(Ingest):
                     await self._held.settle(held, "nak", delay_s=delay_ms / 1000)
                 case act.CheckStarted(reason=reason):
                     self._spawn(self._check_started(held, reason))
-                case act.Preempt(worker_id=worker_id, for_request=waiting):
+                case act.Preempt(worker_id=worker_id, for_request=waiting, dispatch=d):
                     log.info("preempt_ordered", request_id=held.request.request_id,
                              tenant=held.request.tenant, worker_id=worker_id,
-                             for_request_id=waiting.request_id, for_tenant=waiting.tenant)
+                             for_request_id=waiting.request_id, for_tenant=waiting.tenant,
+                             handed_over=d is not None)
+                    # The waiter rides with the order (a lost order: the worker's
+                    # heartbeat lacks it, and reconciliation requeues it).
                     order = Preempt(request_id=held.request.request_id, worker_id=worker_id,
-                                    epoch=self.epoch)
+                                    epoch=self.epoch, replacement=None if d is None
+                                    else work_item(d, mono_ms(), now_ms()))
                     with contextlib.suppress(Exception):
                         await self.nc.publish(self.subjects.preempt(self.settings.pool),
                                               encode(order))

@@ -289,6 +289,10 @@ class Preempt(Struct, kw_only=True, omit_defaults=True):
     request_id: str
     worker_id: str
     epoch: int = 0  # the leader's lease epoch: a deposed leader's order is ignored
+    # The waiting request the freed slot is for, dispatched to this worker with the
+    # order: started at once, before anything already queued in its engine can take
+    # the slot. None: the slot goes to the worker's next pull.
+    replacement: WorkItem | None = None
 
 
 

@@ -277,14 +277,7 @@ class Worker(RequestServing):
                 self.log.warning("stale_epoch_refused", epoch=batch.epoch,
                                  newest=self._epochs.newest, num_items=len(batch.items))
                 for item in batch.items:
-                    if item.ack_subject:
-                        # Hand its message straight back to JetStream: the deposed
-                        # leader holds it, and the new one would otherwise get it only
-                        # after ack_wait.
-                        with contextlib.suppress(Exception):
-                            await self._nc.publish(item.ack_subject, b"-NAK")
-                    await self._event(Requeue(request_id=item.request.request_id,
-                                              worker_id=self.worker_id, reason="stale_epoch"))
+                    await self._refuse_stale(item)
                 continue
             if pull.incarnation != self.incarnation:
                 # Fenced while the pull was out: that incarnation's work is not ours.
@@ -294,6 +287,16 @@ class Worker(RequestServing):
                 self.log.debug("pulled", num_items=len(batch.items), max_items=pull.max_items)
             for item in batch.items:
                 await self._accept(item)
+
+    async def _refuse_stale(self, item: WorkItem) -> None:
+        """Hand back work a deposed leader dispatched: never start it."""
+        if item.ack_subject:
+            # Its message goes straight back to JetStream: the deposed leader holds
+            # it, and the new one would otherwise get it only after ack_wait.
+            with contextlib.suppress(Exception):
+                await self._nc.publish(item.ack_subject, b"-NAK")
+        await self._event(Requeue(request_id=item.request.request_id,
+                                  worker_id=self.worker_id, reason="stale_epoch"))
 
     async def _accept(self, item: WorkItem) -> None:
         rid = item.request.request_id
@@ -338,14 +341,23 @@ class Worker(RequestServing):
         except ProtocolError as exc:
             self.log.warning("bad_preempt", error=exc.message)
             return
-        r = self._reqs.get(order.request_id)
-        if order.worker_id != self.worker_id or r is None or r.stopping:
-            return  # not ours, or already ending: its Finished tells the dispatcher
+        if order.worker_id != self.worker_id:
+            return  # not ours
         if not self._epochs.admit(order.epoch):
             self.log.warning("stale_epoch_preempt", epoch=order.epoch)
+            if order.replacement is not None:
+                await self._refuse_stale(order.replacement)
             return
-        r.preempted = True
-        r.signal()
+        r = self._reqs.get(order.request_id)
+        if r is not None and not r.stopping:  # else ending anyway: its Finished says so
+            r.preempted = True
+            r.signal()
+        if order.replacement is not None:
+            # The request the slot is freed for: into the engine now, so its waiting
+            # queue (ordered by engine priority) has it before the next step fills the
+            # slot with work prefetched earlier. Taken even if the victim ended first:
+            # the dispatcher counts it ours, and that end freed a slot too.
+            await self._accept(order.replacement)
 
     async def _heartbeat(self, timeout_s: float | None = None) -> None:
         """Report load and work, as a request: the dispatcher's acknowledgement is the

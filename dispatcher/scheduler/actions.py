@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatcher.scheduler.types import QueuedRequest
+from dispatcher.scheduler.types import Dispatch, QueuedRequest
 from fairlane.errors import ErrorCode
 
 
@@ -76,11 +76,14 @@ class CheckStarted:
 @dataclass(slots=True, frozen=True)
 class Preempt:
     """Tell `worker_id` to stop `request` and hand back its continuation: the slot it
-    frees is held for `for_request`, a waiting request below its tenant's fair share."""
+    frees goes to `for_request`, a waiting request below its tenant's fair share —
+    `dispatch`: sent with the order, to start there at once (None: held for the next
+    free slot of any worker)."""
 
     request: QueuedRequest
     worker_id: str
     for_request: QueuedRequest
+    dispatch: Dispatch | None = None
 
 
 @dataclass(slots=True, frozen=True)

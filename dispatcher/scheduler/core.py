@@ -412,19 +412,25 @@ class Scheduler:
 
     def preemptions(self, now_ms: float, num_free_slots: int,
                     worker_of: WorkerOf) -> list[PreemptionOrder]:
-        """Running requests to preempt now, each for a waiting request below its
-        tenant's fair share; [] while `num_free_slots` (pulled slots waiting for work)
-        > 0. `worker_of(request_id)` names the worker running it (None: skip it). The
-        core holds the next free slot for each order's waiting request."""
+        """Running requests to preempt now, each for a waiting request below its tenant's
+        share, which holds the next free slot (`preempt`); [] while pulls wait for work."""
         return self.preemptor.decide(self, now_ms, num_free_slots, worker_of)
+
+    def dispatch_held(self, request_id: str, now_ms: float) -> Dispatch | None:
+        """Dispatch a held request now, with its preemption order (`PoolCore`): no pull
+        round trip, and nothing prefetched in that engine takes the slot first."""
+        req = self.preemptor.held.pop(request_id, None)  # quota checked as it was held
+        if req is None or self._queued.get(request_id) is not req:
+            return None
+        self.policy.take(req, now_ms)
+        return self._dispatch(req, now_ms)
 
     def preempted(self, request_id: str, num_generated_tokens: int,
                   now_ms: float) -> QueuedRequest | None:
         """The worker stopped `request_id` after `num_generated_tokens` output tokens
         (earlier runs included): its quota is released, this run is settled to the work
         it did, and it goes to the front of its tenant's queue as a continuation charged
-        for the work left only (its Finished usage: the whole request's). Returns it (the
-        shell attaches the resume point to its payload); None if not in flight."""
+        for the work left only. Returns it (the shell attaches the resume point)."""
         f = self._release(request_id, now_ms)
         if f is None:
             return None

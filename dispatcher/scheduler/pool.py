@@ -312,7 +312,14 @@ class PoolCore:
         """Running requests to stop now so that waiting requests below their tenants'
         fair share get the slots (none while a pulled slot waits for work)."""
         orders = self.scheduler.preemptions(now_ms, num_free_slots, self._preemptible_on)
-        return [Preempt(o.request, o.worker_id, o.for_request) for o in orders]
+        out: list[Action] = []
+        for o in orders:
+            # The waiter goes with the order, to the worker whose slot it frees.
+            d = self.scheduler.dispatch_held(o.for_request.request_id, now_ms)
+            if d is not None:
+                self.workers.assign(d.request.request_id, o.worker_id, now_ms)
+            out.append(Preempt(o.request, o.worker_id, o.for_request, d))
+        return out
 
     def _preemptible_on(self, request_id: str) -> str | None:
         """The live worker running it, if any (a request being checked is not)."""

@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 LONG_TOKENS = 300
 
 
-async def _fleet(nats_url: str, uid: str, preemption: PreemptionConfig, policy: str = "drr"):
+async def _fleet(nats_url: str, uid: str, preemption: PreemptionConfig, policy: str = "drr",
+                 prefetch_seqs: int = 0):
     subjects = Subjects(f"t{uid}")
     dispatcher = Dispatcher(
         DispatcherSettings(nats_url=nats_url, prefix=subjects.prefix, pool="p",
@@ -39,7 +40,7 @@ async def _fleet(nats_url: str, uid: str, preemption: PreemptionConfig, policy: 
     await dispatcher.start()
     ws = WorkerSettings(nats_url=nats_url, prefix=subjects.prefix, pool="p",
                         worker_id=f"w-{uid}", time_scale=0.5, max_num_seqs=2,
-                        prefetch_seqs=0, heartbeat_ms=200)
+                        prefetch_seqs=prefetch_seqs, heartbeat_ms=200)
     stop = asyncio.Event()
     worker_task = asyncio.create_task(Worker(ws, make_engine(ws)).run(stop))
     return subjects, dispatcher, stop, worker_task
@@ -66,14 +67,16 @@ def _long(i: int, tenant: str = "flood"):
                 return_token_ids=True)
 
 
-async def _run(nats_server, nc, uid, preemption: PreemptionConfig, policy: str = "drr"):
+async def _run(nats_server, nc, uid, preemption: PreemptionConfig, policy: str = "drr",
+               prefetch_seqs: int = 0):
     subjects, dispatcher, stop, worker_task = await _fleet(nats_server.url, uid, preemption,
-                                                           policy)
+                                                           policy, prefetch_seqs)
     seen = await _events(nc, subjects)
     client = FairlaneClient(nc, prefix=subjects.prefix)
     await client.start()
     try:
-        flood = [await client.submit(_long(i)) for i in range(3)]  # 2 slots, 1 queued
+        # 2 slots, the prefetch waiting inside the engine, 1 queued in the dispatcher.
+        flood = [await client.submit(_long(i)) for i in range(3 + prefetch_seqs)]
         flood_done = [asyncio.create_task(s.collect()) for s in flood]
         await wait_until(lambda: len(seen["started"]) >= 2, 20)  # every slot busy
         await asyncio.sleep(0.3)
@@ -92,10 +95,14 @@ async def _run(nats_server, nc, uid, preemption: PreemptionConfig, policy: str =
         await dispatcher.stop()
 
 
+@pytest.mark.parametrize("prefetch_seqs", [0, 4])
 async def test_quiet_tenant_preempts_the_flood_and_the_victim_resumes_unbroken(
-        nats_server, nc, uid):
+        nats_server, nc, uid, prefetch_seqs):
+    """With prefetch, the flood's next requests already wait inside the engine: the
+    quiet request travels with the preemption order and, ranked ahead of them by its
+    engine priority, takes the freed slot at the next step."""
     seen, ttft_s, _, flood, *_ = await _run(
-        nats_server, nc, uid, PreemptionConfig(preempt_after_ms=0, min_run_ms=200))
+        nats_server, nc, uid, PreemptionConfig(min_run_ms=200), prefetch_seqs=prefetch_seqs)
     # Without preemption the quiet request waits for a 300-token request to end
     # (seconds); with it, for one abort and a prefill.
     assert ttft_s < 1.0, ttft_s

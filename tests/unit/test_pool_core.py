@@ -342,3 +342,30 @@ def test_status_of_a_request_refused_at_admission_says_why():
     st = core.status("b", 1)
     assert st.state is RequestState.ENDED and st.error.code is ErrorCode.QUEUE_FULL
     assert core.status("a", 1).state is RequestState.QUEUED
+
+
+def test_preemption_hands_the_waiter_to_the_victims_worker_with_the_order():
+    """The waiting request is dispatched with the order, to the worker whose slot the
+    victim frees; if that order is lost, the worker's heartbeat lacks the waiter and
+    reconciliation puts it back in the queue (its message was never acked)."""
+    from dispatcher.scheduler.actions import Preempt
+    from fairlane.poolconfig import PreemptionConfig
+    core = _core(preemption=PreemptionConfig(min_run_ms=0))
+    for i in range(4):
+        core.submit(_req(f"a{i}", tenant="a"), 0)
+    core.on_pull("w1", 0, 0)
+    running = [d.request.request_id for d in core.select("w1", 2, 0)]
+    for rid in running:
+        core.on_started(rid, "w1", 1)
+    core.submit(_req("b1", tenant="b"), 100)
+    (order,) = [a for a in core.preemptions(100, 0) if isinstance(a, Preempt)]
+    assert order.worker_id == "w1" and order.request.request_id in running
+    assert order.dispatch is not None and order.dispatch.request.request_id == "b1"
+    assert not core.scheduler.is_queued("b1") and core.workers.worker_of("b1") == "w1"
+    assert core.preemptions(100, 0) == []  # b is at its share now
+    # The order never arrived: the victim runs on, the heartbeat lacks b1.
+    actions = core.on_heartbeat("w1", running, 2_500, interval_ms=1_000)
+    assert [(type(a).__name__, a.request.request_id) for a in actions] == [
+        ("CheckStarted", "b1")]
+    (requeued,) = core.on_start_checked("b1", False, 2_600)
+    assert isinstance(requeued, Requeued) and core.scheduler.is_queued("b1")
