@@ -2,7 +2,8 @@
 
 - `fl.info.<pool>`: a producer asks which tier a tenant is in and the pool's limits;
 - `fl.status.<pool>`: where a request is (queued, running, ended, unknown) — what a
-  silent token stream or a repeated submit is told, so no client waits forever.
+  silent token stream or a repeated submit is told, so no client waits forever; a
+  batch of ids at once (a client's every silent stream in one round trip).
 
 Both only read the pure core; they are kept out of the service shell for size.
 """
@@ -15,10 +16,12 @@ import structlog
 from nats.aio.msg import Msg
 
 from fairlane.protocol import (
+    MAX_STATUS_BATCH,
     ErrorInfo,
     PoolInfo,
     ProtocolError,
     RequestStatus,
+    StatusBatch,
     decode_pool_info_request,
     decode_status_request,
     encode,
@@ -57,9 +60,19 @@ async def answer_status(d: Dispatcher, msg: Msg) -> None:
     except ProtocolError as exc:
         log.warning("bad_status_request", error=exc.message)
         return
-    st = d.core.status(ask.request_id, mono_ms())
+    now = mono_ms()
+    if ask.request_ids:
+        ids = ask.request_ids[:MAX_STATUS_BATCH]
+        answer = StatusBatch(statuses=[_status(d, rid, now) for rid in ids])
+        await d.nc.publish(msg.reply, encode(answer))
+    else:
+        await d.nc.publish(msg.reply, encode(_status(d, ask.request_id, now)))
+
+
+def _status(d: Dispatcher, request_id: str, now: float) -> RequestStatus:
+    st = d.core.status(request_id, now)
     err = st.error
-    await d.nc.publish(msg.reply, encode(RequestStatus(
-        request_id=ask.request_id, state=st.state.value, attempt=st.attempt,
+    return RequestStatus(
+        request_id=request_id, state=st.state.value, attempt=st.attempt,
         worker_id=st.worker_id,
-        error=err and ErrorInfo.of(err.code, err.message, err.retry_after_ms))))
+        error=err and ErrorInfo.of(err.code, err.message, err.retry_after_ms))

@@ -316,6 +316,13 @@ class Cancel(Struct, kw_only=True, omit_defaults=True):
 class StatusRequest(Struct, kw_only=True):
     request_id: RequestId
     tenant: str = ""
+    # A batch: one round trip for every silent stream of a client (a flood of queued
+    # requests would otherwise ask one by one). Answered with a `StatusBatch` of these
+    # ids in order; a dispatcher that predates batches answers `request_id` alone.
+    request_ids: list[RequestId] = []
+
+
+MAX_STATUS_BATCH = 1_000  # ids per StatusRequest (~70 KB of answers)
 
 
 class RequestState(enum.StrEnum):
@@ -334,6 +341,12 @@ class RequestStatus(Struct, kw_only=True, omit_defaults=True):
     attempt: int = 0
     worker_id: str = ""
     error: ErrorInfo | None = None  # ENDED: how it failed (None: finished normally)
+
+
+class StatusBatch(Struct, kw_only=True):
+    """The answer to a batch `StatusRequest`: one status per id asked, in order."""
+
+    statuses: list[RequestStatus] = []
 
 
 # --- pool info: producer -> dispatcher on fl.info.<pool> --------------------------------
@@ -395,6 +408,14 @@ decode_pool_info = _Decoder(PoolInfo, "PoolInfo")
 decode_heartbeat_ack = _Decoder(HeartbeatAck, "HeartbeatAck")
 decode_status_request = _Decoder(StatusRequest, "StatusRequest")
 decode_status = _Decoder(RequestStatus, "RequestStatus")
+_decode_status_batch = _Decoder(StatusBatch, "StatusBatch")
+
+
+def decode_statuses(data: bytes) -> list[RequestStatus]:
+    """A status answer: a batch's statuses, or the one status of a single answer (a
+    dispatcher that predates batches answers a batch request that way)."""
+    batch = _decode_status_batch(data)
+    return batch.statuses or [decode_status(data)]
 
 
 def peek_reply_fields(data: bytes) -> tuple[str | None, str | None]:
