@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -119,14 +120,28 @@ def find_redis_server() -> str:
     )
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A server certificate and key (PEM), and the CA that signed it."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+
 @dataclass
 class NatsServer:
-    """A nats-server with JetStream, on a free port, storing under ``store_dir``."""
+    """A nats-server with JetStream, on a free port, storing under ``store_dir``.
+
+    ``auth_conf``: an authorization include (`fairlane nats-config`): clients must
+    then log in. ``tls``: clients must speak TLS (a plaintext client is refused)."""
 
     store_dir: str | None = None
     port: int = 0
     monitor_port: int = 0
     log_file: str | None = None
+    auth_conf: str | None = None
+    tls: TlsFiles | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -152,11 +167,29 @@ class NatsServer:
             "-js",
             "-sd", self.store_dir,
         ]
+        if self.auth_conf or self.tls:
+            args += ["-c", self._write_config()]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True,
                                      preexec_fn=die_with_parent)
         _wait_for_port(self.port, self.proc, timeout_s, "nats-server")
         return self
+
+    def _write_config(self) -> str:
+        """The configuration file for what flags cannot say (authorization, TLS);
+        the flags above still set address, ports and JetStream."""
+        lines = []
+        path = Path(self.store_dir) / "server.conf"
+        if self.auth_conf:
+            # nats-server resolves an include relative to the including file, always.
+            rel = os.path.relpath(Path(self.auth_conf).resolve(), path.parent.resolve())
+            lines.append(f"include {json.dumps(rel)}")
+        if self.tls:
+            lines.append("tls " + json.dumps({"cert_file": self.tls.cert_file,
+                                              "key_file": self.tls.key_file,
+                                              "ca_file": self.tls.ca_file, "timeout": 2}))
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return str(path)
 
     def stop(self) -> None:
         _stop(self.proc)

@@ -49,6 +49,7 @@ ENV_PREFIX = "FAIRLANE_"
 # read as source, never imported: the kernel depends on no process package.
 FLEET_SETTINGS_MODULES = (
     "fairlane.streams",
+    "fairlane.natsconn",
     "fairlane.cli",
     "dispatcher.config",
     "gpu_worker.config",

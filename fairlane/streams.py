@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import msgspec
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
+from fairlane.natsconn import NatsConnSettings
 from fairlane.subjects import Subjects
 
 log = structlog.get_logger(__name__)
@@ -25,8 +25,9 @@ log = structlog.get_logger(__name__)
 _DAY_S = 86_400.0
 
 
-class StreamSettings(msgspec.Struct, kw_only=True):
-    """Stream settings, part of every process's settings (each field a flag and env var).
+class StreamSettings(NatsConnSettings, kw_only=True):
+    """Stream settings, part of every process's settings (each field a flag and env var);
+    the NATS connection's credentials and TLS come with them (`NatsConnSettings`).
 
     None = not asked for: a new stream gets the built-in default, an existing one keeps
     its value.

@@ -87,8 +87,23 @@ class Subjects:
     def events(self, pool: str) -> str:
         return f"{self.prefix}.evt.{check_id('pool', pool)}"
 
-    def cancel(self, pool: str) -> str:
-        return f"{self.prefix}.cancel.{check_id('pool', pool)}"
+    def cancel(self, pool: str, tenant: str = "") -> str:
+        """``<prefix>.cancel.<pool>.<tenant>``: the tenant in the subject is what the
+        broker authenticates (a tenant may publish only its own). Without a tenant, the
+        pre-auth ``<prefix>.cancel.<pool>``, which only services may publish to."""
+        base = f"{self.prefix}.cancel.{check_id('pool', pool)}"
+        return f"{base}.{check_id('tenant', tenant)}" if tenant else base
+
+    def cancel_subscriptions(self, pool: str) -> tuple[str, str]:
+        """What a dispatcher or worker listens on: every tenant's cancel subject, and
+        the tenant-less one that producers from before per-tenant auth publish to."""
+        base = self.cancel(pool)
+        return f"{base}.*", base
+
+    def cancel_tenant(self, subject: str) -> str | None:
+        """The tenant a cancel was published as (None: the tenant-less subject)."""
+        parts = subject.split(".")
+        return parts[3] if len(parts) == 4 and parts[1] == "cancel" else None
 
     def preempt(self, pool: str) -> str:
         return f"{self.prefix}.preempt.{check_id('pool', pool)}"
@@ -108,6 +123,44 @@ class Subjects:
     def inbox_prefix(self, owner: str) -> str:
         """Reply subjects of one streamer/producer node: ``<prefix>.inbox.<owner>``."""
         return f"{self.prefix}.inbox.{check_id('owner', owner)}"
+
+    # Reply subjects carry the request's tenant after the owner:
+    # ``<prefix>.inbox.<owner>.<tenant>.<request id>``. The broker then tells tenants
+    # apart (a tenant may subscribe only to ``<prefix>.inbox.*.<tenant>.>``), while one
+    # node still reads all its streams with one subscription (``<prefix>.inbox.<owner>.>``).
+
+    def reply_subject(self, owner: str, tenant: str, request_id: str) -> str:
+        return f"{self.inbox_prefix(owner)}.{check_id('tenant', tenant)}.{request_id}"
+
+    def inbox_subscription(self, owner: str, tenant: str | None = None) -> str:
+        """One node's chunk subscription: all its tenants', or one tenant's only (what
+        a tenant's own credentials may subscribe to)."""
+        if tenant:
+            return f"{self.inbox_prefix(owner)}.{check_id('tenant', tenant)}.>"
+        return f"{self.inbox_prefix(owner)}.>"
+
+    def tenant_inboxes(self, tenant: str) -> str:
+        """Every reply subject of `tenant`: its NATS subscribe permission."""
+        return f"{self.prefix}.inbox.*.{check_id('tenant', tenant)}.>"
+
+    def rpc_inbox(self, tenant: str) -> str:
+        """nats-py's request inbox (``inbox_prefix``) for a connection acting as one
+        tenant: inside the tenant's inboxes, so JetStream's PubAck and the dispatcher's
+        answers reach it, under an owner token no chunk subscription uses."""
+        return f"{self.prefix}.inbox._rpc.{check_id('tenant', tenant)}"
+
+    def reply_in_tenant_inbox(self, reply: str, tenant: str) -> bool:
+        """Whether `reply` lies in `tenant`'s inboxes (``<prefix>.inbox.*.<tenant>.>``):
+        with auth on, a request may aim its tokens nowhere else."""
+        parts = reply.split(".")
+        return (len(parts) >= 5 and parts[0] == self.prefix and parts[1] == "inbox"
+                and parts[3] == tenant)
+
+    @staticmethod
+    def reply_tenant(subject: str) -> str | None:
+        """The tenant token of a reply subject in the tenant layout, else None."""
+        parts = subject.split(".")
+        return parts[3] if len(parts) >= 5 and parts[1] == "inbox" else None
 
     @staticmethod
     def parse_request(subject: str) -> tuple[str, str, str]:
