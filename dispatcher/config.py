@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fairlane.logs import LogLevel
 from fairlane.poolconfig import Policy
 from fairlane.settings import PositiveFloat, PositiveInt
@@ -36,6 +38,11 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     # sweep; those for a pool nobody was seen leading, after stranded_after_s.
     stranded_after_s: PositiveFloat = 10.0  # how long a pool must go unled before its requests are refused
     janitor_every_s: PositiveFloat = 2.0  # period of the sweep for requests nobody serves
+    # Where a request may aim its tokens: "tenant" = only its tenant's inboxes
+    # (<prefix>.inbox.<owner>.<tenant>.>), else it is refused; "any" = any subject (no
+    # auth: the broker cannot tell tenants apart anyway); "auto" = "tenant" when the
+    # NATS server authenticates clients.
+    reply_scope: Literal["auto", "tenant", "any"] = "auto"
     stop_timeout_s: float = 10.0  # bound on a graceful stop (NATS may be gone)
     max_tokens: PositiveInt = 4096  # largest max_tokens a request may ask for
     max_prompt_chars: PositiveInt = 200_000  # longest prompt accepted, in characters

@@ -51,6 +51,7 @@ class Ingest:
     _held: HeldMessages
     _wake: asyncio.Event
     js: Any
+    nc: Any
     limits: Any
 
     async def _consumer(self, tier: str):
@@ -133,6 +134,37 @@ class Ingest:
                 n += len(msgs)
         return n
 
+    def reply_scoped(self) -> bool:
+        """Whether reply subjects must lie in their tenant's inboxes (`reply_scope`;
+        "auto": when the broker authenticates clients, so tenants are told apart)."""
+        mode = self.settings.reply_scope
+        if mode == "auto":
+            info = getattr(self.nc, "_server_info", None) or {}
+            return bool(self.settings.nats_user or info.get("auth_required"))
+        return mode == "tenant"
+
+    def _reply_allowed(self, reply: str, tenant: str | None) -> bool:
+        """With auth on a tenant could otherwise aim its request's tokens, or our
+        errors about it, at another tenant's inbox (DESIGN.md section 8, Trust)."""
+        if not self.reply_scoped():
+            return True
+        return tenant is not None and self.subjects.reply_in_tenant_inbox(reply, tenant)
+
+    def cancel_allowed(self, subject: str, request_id: str) -> bool:
+        """A cancel published as a tenant (``<prefix>.cancel.<pool>.<tenant>``, the
+        broker checked that tenant) ends only that tenant's requests; the tenant-less
+        subject is for services and producers from before per-tenant auth."""
+        tenant = self.subjects.cancel_tenant(subject)
+        if tenant is None:
+            return True
+        # Deferred requests are cancellable too, and live_request does not see them.
+        req = self.core.live_request(request_id) or self.core._deferred.get(request_id)
+        if req is None or req.tenant == tenant:
+            return True
+        log.warning("cancel_refused", request_id=request_id, as_tenant=tenant,
+                    owner=req.tenant)
+        return False
+
     async def _duplicate_of_live(self, msg: Msg, req: Any, original: Any) -> None:
         """The same request published again (another message) while it is queued or
         running: the original's stream already goes to its reply subject, so the same
@@ -158,8 +190,17 @@ class Ingest:
                     ErrorCode.INVALID_REQUEST,
                 )
             check_request(req, self.limits)
+            if not self._reply_allowed(req.reply_to, tenant):
+                raise ProtocolError(
+                    f"reply subject {req.reply_to!r} is outside tenant {tenant!r}'s inboxes "
+                    f"({self.subjects.tenant_inboxes(tenant)})", ErrorCode.INVALID_REQUEST)
         except ProtocolError as exc:
             rid, reply = reply_of(msg.data, msg.headers)
+            if reply and not self._reply_allowed(reply, _subject_tenant(msg.subject)):
+                # Never aim even an error at another tenant's inbox: drop it, say why here.
+                log.warning("request_reply_outside_inbox", subject=msg.subject,
+                            request_id=rid, reply_to=reply)
+                reply = None
             log.warning("request_refused", subject=msg.subject, request_id=rid,
                         code=exc.code.value, error=exc.message)
             metrics.REJECTED.labels(reason=exc.code.value).inc()
@@ -196,6 +237,13 @@ class Ingest:
         )
         q.payload = Held(msg, req, now)
         await self._apply(self.core.submit(q, now, redelivered=_redelivered(msg)))
+
+
+def _subject_tenant(subject: str) -> str | None:
+    try:
+        return Subjects.parse_request(subject)[2]
+    except ProtocolError:
+        return None
 
 
 def _num_pending(msg: Msg) -> int:

@@ -44,13 +44,17 @@ class Janitor:
     max_per_sweep = 1_000  # bound on the work of one sweep (the next one continues)
 
     def __init__(self, js: Any, subjects: Subjects, pool: str, tiers: Callable[[], list[str]],
-                 send: Send, stranded_after_s: float = 10.0) -> None:
+                 send: Send, stranded_after_s: float = 10.0,
+                 reply_allowed: Callable[[str, str | None], bool] | None = None) -> None:
         self.js = js
         self.subjects = subjects
         self.pool = pool
         self.tiers = tiers
         self.send = send
         self.stranded_after_s = stranded_after_s
+        # (reply subject, the request subject's tenant) -> may we answer there (auth on:
+        # only inside that tenant's inboxes, see Ingest._reply_allowed).
+        self.reply_allowed = reply_allowed or (lambda reply, tenant: True)
         self._started_s = time.monotonic()
         self._led_pools: set[str] = {pool}
         self._kv: Any = None
@@ -112,6 +116,8 @@ class Janitor:
             except Exception:  # another janitor took it first
                 continue
             rid, reply = reply_of(raw.data or b"", raw.headers)
+            if reply and not self.reply_allowed(reply, _tenant_of(raw.subject or subject)):
+                reply = None
             log.warning("stranded_request_refused", subject=subject, request_id=rid,
                         reason=why)
             if reply:
@@ -120,3 +126,8 @@ class Janitor:
                 await self.send(reply, encode(chunk))
             n += 1
         return n
+
+
+def _tenant_of(subject: str) -> str | None:
+    parts = subject.split(".")
+    return parts[4] if len(parts) == 5 and parts[1] == "req" else None

@@ -33,6 +33,7 @@ from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
 from dispatcher.scheduler.types import ActualUsage
+from fairlane.natsconn import connect_options
 from fairlane.poolconfig import SchedulerConfig, check_policy
 from fairlane.protocol import (
     ErrorInfo,
@@ -129,8 +130,8 @@ class Dispatcher(Ingest):
         s = self.settings
         if self.nc is None:
             self.nc = await nats.connect(
-                s.nats_url, name=f"fairlane-dispatcher-{s.pool}", max_reconnect_attempts=-1,
-                error_cb=log_nats_error,
+                **connect_options(s), name=f"fairlane-dispatcher-{s.pool}",
+                max_reconnect_attempts=-1, error_cb=log_nats_error,
             )
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.subjects, s)
@@ -153,7 +154,8 @@ class Dispatcher(Ingest):
         self._subs.append(await self.nc.subscribe(
             self.subjects.work(s.pool), queue="dispatchers", cb=self._on_pull))
         self._subs.append(await self.nc.subscribe(self.subjects.events(s.pool), cb=self._on_event))
-        self._subs.append(await self.nc.subscribe(self.subjects.cancel(s.pool), cb=self._on_cancel))
+        for subject in self.subjects.cancel_subscriptions(s.pool):
+            self._subs.append(await self.nc.subscribe(subject, cb=self._on_cancel))
         self._subs.append(await self.nc.subscribe(
             self.subjects.info(s.pool), queue="dispatchers", cb=partial(answer_info, self)))
         self._subs.append(await self.nc.subscribe(
@@ -162,7 +164,8 @@ class Dispatcher(Ingest):
         self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
         self.janitor = Janitor(
             self.js, self.subjects, s.pool, lambda: [t.name for t in self.scheduler.config.tiers],
-            self.nc.publish, stranded_after_s=s.stranded_after_s)
+            self.nc.publish, stranded_after_s=s.stranded_after_s,
+            reply_allowed=self._reply_allowed)
         self._tasks.append(asyncio.create_task(self._janitor_loop()))
         # Ready = reachable: the server has our subscriptions (a pull on another
         # connection right after a takeover would otherwise find no responders).
@@ -327,6 +330,8 @@ class Dispatcher(Ingest):
             cancel = decode_cancel(msg.data)
         except ProtocolError as exc:
             log.warning("bad_cancel", error=exc.message)
+            return
+        if not self.cancel_allowed(msg.subject, cancel.request_id):
             return
         # Queued: ended here. Running: the worker (subscribed too) aborts it.
         await self._apply(self.core.on_cancel(cancel.request_id, cancel.reason, mono_ms()))

@@ -6,6 +6,7 @@
     fairlane usage --since -24h --format csv     # usage totals per tenant from FL_USAGE
     fairlane tenants check tenants.yaml          # validate a tenants file as the fleet does
     fairlane tenants schema                      # the tenants file's JSON Schema
+    fairlane nats-config --tenants tenants.yaml  # NATS users: one per tenant, services
 
 `up` runs every part as a child process of its own and stops all of them on Ctrl-C
 or SIGTERM (SIGTERM, then SIGKILL after a grace period). Children also get SIGTERM
@@ -38,6 +39,7 @@ from fairlane.embedded import (
     port_in_use,
 )
 from fairlane.logs import LogLevel
+from fairlane.natsauth import AUTH_FILE, CREDENTIALS_DIR, service_user, write_nats_auth
 from fairlane.poolconfig import Policy
 from fairlane.protocol import PoolInfoRequest, ProtocolError, decode_event, encode
 from fairlane.settings import PositiveInt, load_settings
@@ -64,6 +66,9 @@ class UpSettings(msgspec.Struct, kw_only=True):
     streamer: bool = True  # start the HTTP/websocket edge
     ready_timeout_s: float = 120.0  # give up if the fleet is not ready by then
     log_level: LogLevel = "info"  # least severe log level the children write
+    # NATS auth: one user per tenant of the tenants file and least-privilege service
+    # users (fairlane nats-config, written to <data-dir>/nats-auth); --no-auth: none.
+    auth: bool = True
 
 
 class Fleet:
@@ -78,11 +83,27 @@ class Fleet:
         # Wraps each spawn: `cmd_up` defers stop signals there (see `_StopSignals`).
         self.hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+    @property
+    def auth_dir(self) -> Path:
+        return self.data_dir / "nats-auth"
+
+    def password_file(self, user: str) -> Path:
+        return self.auth_dir / CREDENTIALS_DIR / f"{user}.password"
+
+    def login_env(self, role: str) -> dict[str, str]:
+        """A child's NATS login: its service user and password file (in the
+        environment, never on the command line where `ps` shows it)."""
+        if not (self.s.auth and role):
+            return {}
+        user = service_user(role)
+        return {"FAIRLANE_NATS_USER": user,
+                "FAIRLANE_NATS_PASSWORD_FILE": str(self.password_file(user))}
+
+    def _spawn(self, name: str, module: str, args: list[str], role: str = "") -> None:
         log_path = self.data_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
-        env = dict(os.environ, FAIRLANE_LOG_LEVEL=self.s.log_level)
+        env = dict(os.environ, FAIRLANE_LOG_LEVEL=self.s.log_level, **self.login_env(role))
         with self.hold():
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, *args], stdout=out, stderr=out, env=env,
@@ -101,10 +122,16 @@ class Fleet:
                 raise EmbeddedServerError(f"port {port} ({flag}) is already in use: choose "
                                           f"another, or {flag} 0 for any free port")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if s.auth:  # passwords already issued are kept (fairlane nats-config)
+            from fairlane.tenants import load_tenants
+
+            write_nats_auth(sorted(load_tenants(s.tenants_file).tenants), self.auth_dir,
+                            s.prefix)
         self.nats = NatsServer(
             store_dir=str(self.data_dir / "nats"),
             port=s.nats_port or free_port(),
             log_file=str(self.data_dir / "logs" / "nats-server.log"),
+            auth_conf=str(self.auth_dir / AUTH_FILE) if s.auth else None,
         )
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         with self.hold():
@@ -118,7 +145,7 @@ class Fleet:
             disp += ["--tenants-file", s.tenants_file]
         if s.policy:
             disp += ["--policy", s.policy]
-        self._spawn("dispatcher", "dispatcher", disp)
+        self._spawn("dispatcher", "dispatcher", disp, "dispatcher")
         for i in range(s.workers):
             args = [*common, "--worker-id", f"worker-{i}", "--engine", s.engine,
                     "--max-num-seqs", str(s.max_num_seqs)]
@@ -126,7 +153,7 @@ class Fleet:
                 args += ["--time-scale", str(s.time_scale), "--step-model", s.step_model]
             if s.model:
                 args += ["--model", s.model]
-            self._spawn(f"worker-{i}", "gpu_worker", args)
+            self._spawn(f"worker-{i}", "gpu_worker", args, "worker")
         if s.streamer and _have_module("streamer.__main__"):
             self.http_port = s.http_port or free_port()
             args = ["--nats-url", self.nats.url, "--prefix", s.prefix, "--pool", s.pool,
@@ -135,7 +162,7 @@ class Fleet:
                 args += ["--redis-url", self.redis.url]
             if s.tenants_file:
                 args += ["--tenants-file", s.tenants_file]
-            self._spawn("streamer", "streamer", args)
+            self._spawn("streamer", "streamer", args, "streamer")
 
     def dead_children(self) -> list[str]:
         """``name (exit N): its last log line`` for each child that has exited, servers
@@ -201,8 +228,13 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
     async def quiet(exc: Exception) -> None:  # the default prints a traceback per attempt
         pass
 
+    login = {}
+    if fleet.s.auth:
+        admin = service_user("admin")
+        login = {"user": admin, "password": fleet.password_file(admin).read_text().strip()}
     try:
-        nc = await nats.connect(fleet.nats.url, max_reconnect_attempts=3, error_cb=quiet)
+        nc = await nats.connect(fleet.nats.url, max_reconnect_attempts=3, error_cb=quiet,
+                                **login)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         dead = "; ".join(fleet.dead_children())
         raise RuntimeError(f"cannot reach nats-server at {fleet.nats.url} ({exc})"
@@ -294,7 +326,7 @@ def cmd_up(argv: list[str]) -> int:
         rc = 1
     except _Interrupted:
         pass
-    except RuntimeError as exc:  # EmbeddedServerError too
+    except (RuntimeError, ValueError) as exc:  # EmbeddedServerError; a bad tenants file
         print(f"fairlane up failed: {exc}", file=sys.stderr, flush=True)
         rc = 1
     finally:
@@ -313,12 +345,17 @@ def _print_ready(fleet: Fleet) -> None:
                      f"websocket: ws://127.0.0.1:{fleet.http_port}/v1/stream\n")
         if s.tenants_file == str(DEMO_TENANTS):
             port_line += "  demo API keys: sk-acme-demo, sk-globex-demo, sk-hobbyist-demo\n"
+    login = ""
+    if s.auth:
+        port_line += (f"  NATS auth: on, users and passwords in {fleet.auth_dir} "
+                      f"(--no-auth turns it off)\n")
+        login = f"--nats-user acme --nats-password-file {fleet.password_file('acme')} "
     print(
         f"fairlane is up: {s.workers} {s.engine} worker(s), pool {s.pool!r}\n"
         f"  NATS: {fleet.nats.url}\n{port_line}"
         f"  logs: {fleet.data_dir / 'logs'}\n"
         f"  tenants: {s.tenants_file}\n"
-        f"try:  python -m producer --nats-url {fleet.nats.url} --tenant acme "
+        f"try:  python -m producer --nats-url {fleet.nats.url} --tenant acme {login}"
         f"--prompt 'hello' --max-tokens 32\n"
         f"Ctrl-C stops everything.",
         flush=True,
@@ -348,6 +385,12 @@ def cmd_usage(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_nats_config(argv: list[str]) -> int:
+    from fairlane.natsauth import cmd_nats_config as run
+
+    return run(argv)
+
+
 def cmd_tenants(argv: list[str]) -> int:
     from fairlane.tenants_tool import cmd_tenants as run
 
@@ -360,6 +403,8 @@ COMMANDS = {
     "usage": (cmd_usage, "export per-tenant usage totals for a period, as CSV or JSON"),
     "tenants": (cmd_tenants, "check a tenants file (tenants check FILE) or print its "
                              "JSON Schema (tenants schema)"),
+    "nats-config": (cmd_nats_config, "write nats-server authorization: a user per tenant, "
+                                     "least-privilege service users"),
 }
 
 

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from fairlane.natsconn import connect_options
 from fairlane.protocol import (
     GAP_CANCEL_REASON,
     ErrorCode,
@@ -95,7 +96,7 @@ class Worker(RequestServing):
     async def _start(self) -> None:
         if self._nc is None:
             self._nc = await nats.connect(
-                self.s.nats_url,
+                **connect_options(self.s),
                 name=f"gpu_worker:{self.worker_id}",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -113,7 +114,8 @@ class Worker(RequestServing):
             self.log.info("stopped_during_start")
             return 0
         nc = self._nc
-        cancel_sub = await nc.subscribe(self.subjects.cancel(self.s.pool), cb=self._on_cancel)
+        cancel_subs = [await nc.subscribe(subject, cb=self._on_cancel)
+                       for subject in self.subjects.cancel_subscriptions(self.s.pool)]
         preempt_sub = await nc.subscribe(self.subjects.preempt(self.s.pool), cb=self._on_preempt)
         hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         pull_task = asyncio.create_task(self._pull_loop(), name="pull")
@@ -142,7 +144,8 @@ class Worker(RequestServing):
                 t.cancel()
             await asyncio.gather(stop_task, dead_task, hb_task, pull_task, return_exceptions=True)
             with contextlib.suppress(Exception):
-                await cancel_sub.unsubscribe()
+                for sub in cancel_subs:
+                    await sub.unsubscribe()
                 await preempt_sub.unsubscribe()
             if self._owns_engine:
                 with contextlib.suppress(Exception):
@@ -322,6 +325,10 @@ class Worker(RequestServing):
             return
         r = self._reqs.get(cancel.request_id)
         if r is None or r.cancelled:
+            return
+        as_tenant = self.subjects.cancel_tenant(msg.subject)  # None: a service's cancel
+        if as_tenant is not None and as_tenant != r.item.request.tenant:
+            self.log.warning("cancel_refused", request_id=cancel.request_id, as_tenant=as_tenant)
             return
         self.log.info("cancel", request_id=cancel.request_id, reason=cancel.reason)
         r.cancelled = True

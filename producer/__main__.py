@@ -15,10 +15,13 @@ import nats
 import nats.errors
 
 from fairlane.logs import configure_logging
+from fairlane.natsauth import SERVICE_USER_PREFIX
+from fairlane.natsconn import read_password
 from fairlane.ratelimit import RateLimiter, RateLimits
 from fairlane.runtime import Stopped, now_ms, run, until_stopped
 from fairlane.settings import load_settings
 from fairlane.tenants import load_tenants
+from producer.auth import open_connection
 from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams
 from producer.config import ProducerSettings
 
@@ -121,40 +124,57 @@ def _rate_limits(s: ProducerSettings) -> RateLimits | None:
     return RateLimits.of(record) if record else None
 
 
-async def _connect(nats_url: str) -> nats.NATS:
-    """NATS, or ConnectionError naming the URL: a CLI gives up where a service waits."""
+async def _connect(s: ProducerSettings) -> nats.NATS:
+    """NATS, or ConnectionError naming the URL: a CLI gives up where a service waits.
+
+    The CLI acts for one tenant (--tenant): logged in as that tenant's NATS user
+    (--nats-user, see `fairlane nats-config`) it may only publish that tenant's
+    requests and read that tenant's inboxes, which is all it does."""
     failures: list[Exception] = []
+    holder: list[nats.NATS] = []
 
     async def on_error(exc: Exception) -> None:
         # nats-py's default prints a traceback per attempt; one line is enough.
-        if nc.is_connected or nc.is_reconnecting:
+        if holder and (holder[0].is_connected or holder[0].is_reconnecting):
             print(f"producer: NATS: {exc}", file=sys.stderr)
         else:
             failures.append(exc)
 
-    nc = nats.NATS()
     try:
-        await nc.connect(nats_url, name="fairlane-producer", connect_timeout=2,
-                         max_reconnect_attempts=2, reconnect_time_wait=0.5, error_cb=on_error)
+        nc = await open_connection(
+            s.nats_url, prefix=s.prefix, tenant=s.tenant, user=s.nats_user,
+            password=read_password(s), tls_ca_file=s.nats_tls_ca_file, connect_timeout=2,
+            max_reconnect_attempts=2, reconnect_time_wait=0.5, error_cb=on_error)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         cause = failures[-1] if failures else exc
-        raise ConnectionError(f"cannot reach NATS at {nats_url}: {cause}") from None
+        who = f" as user {s.nats_user!r}" if s.nats_user else ""
+        raise ConnectionError(f"cannot connect to NATS at {s.nats_url}{who}: {cause}") from None
+    holder.append(nc)
     return nc
 
 
 async def amain(s: ProducerSettings, stop: asyncio.Event) -> int:
+    if s.nats_user and not s.nats_user.startswith(SERVICE_USER_PREFIX) and s.nats_user != s.tenant:
+        print(f"producer: error: NATS user {s.nats_user!r} is a tenant's and may submit only "
+              f"as tenant {s.nats_user!r}, not {s.tenant!r}", file=sys.stderr)
+        return 2
     limits = _rate_limits(s)
     try:
-        nc = await until_stopped(_connect(s.nats_url), stop)
+        nc = await until_stopped(_connect(s), stop)
     except Stopped:
         return 130
     except ConnectionError as exc:
         print(f"producer: error: {exc}", file=sys.stderr)
         return 1
     limiter = RateLimiter.from_url(s.redis_url) if limits else None
-    client = FairlaneClient(nc, prefix=s.prefix, limiter=limiter, owns_connection=True)
+    client = FairlaneClient(nc, prefix=s.prefix, limiter=limiter, owns_connection=True,
+                            tenant=s.tenant)
     try:
-        await until_stopped(client.start(), stop)
+        # A tenant's NATS user may not touch the JetStream API: the fleet's services
+        # create the streams. Without auth (or as a service user) make sure they exist,
+        # so requests queue even before the fleet is up.
+        provision = not s.nats_user or s.nats_user.startswith(SERVICE_USER_PREFIX)
+        await until_stopped(client.start(provision_streams=provision), stop)
         work = asyncio.ensure_future(
             stream_one(client, s, limits) if s.count <= 1 else load(client, s, limits))
         stopper = asyncio.ensure_future(stop.wait())

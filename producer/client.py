@@ -47,10 +47,11 @@ from fairlane.protocol import (
     encode,
 )
 from fairlane.ratelimit import RateLimiter, RateLimits
-from fairlane.runtime import cancel_and_wait, log_nats_error, now_ms
+from fairlane.runtime import cancel_and_wait, now_ms
 from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
+from producer.auth import connect_client, guard_publish
 from producer.migrate import resume_stream
 from producer.spec import RequestSpec, new_request_id
 from producer.stream import Completion, RequestError, RequestStream
@@ -87,12 +88,16 @@ class FairlaneClient:
         silence_s: float = DEFAULT_SILENCE_S,
         max_silence_s: float = DEFAULT_MAX_SILENCE_S,
         max_resumes: int = 2,
+        tenant: str | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = Subjects(prefix)
         self.owner = owner or uuid.uuid4().hex[:12]
         self.inbox = self.subjects.inbox_prefix(self.owner)
+        # Acting for ONE tenant (its NATS user may read only that tenant's inboxes and
+        # publish only its requests and cancels): other tenants' requests are refused.
+        self.tenant = check_id("tenant", tenant) if tenant else None
         self.limits = limits or RequestLimits()
         self.max_buffered_chunks = max_buffered_chunks
         self._owns_connection = owns_connection
@@ -132,31 +137,19 @@ class FairlaneClient:
 
     @classmethod
     async def connect(cls, nats_url: str, **kwargs) -> FairlaneClient:
-        holder: list[FairlaneClient] = []
+        """Connect and start a client; ``user=``, ``password=`` log in (a tenant's or
+        a service's NATS user) and ``tls_ca_file=`` verifies the server's TLS
+        certificate (`producer.auth.connect_client`); other keywords go to the client."""
+        return await connect_client(cls, nats_url, **kwargs)
 
-        async def on_reconnect() -> None:
-            if holder:
-                await holder[0]._send_pending_cancels()
-
-        async def on_closed() -> None:
-            if holder:
-                holder[0]._fail_all(ErrorCode.STREAM_LOST, "NATS connection closed")
-
-        nc = await nats.connect(nats_url, name="fairlane-producer", max_reconnect_attempts=-1,
-                                error_cb=log_nats_error, reconnected_cb=on_reconnect,
-                                closed_cb=on_closed)
-        client = cls(nc, owns_connection=True, **kwargs)
-        holder.append(client)
-        await client.start()
-        return client
-
-    async def start(self, provision_streams: bool = True,
+    async def start(self, provision_streams: bool | None = None,
                     stream_settings: StreamSettings | None = None) -> None:
-        if provision_streams:
+        # A tenant's credentials may not touch the JetStream API: services provision.
+        if self.tenant is None if provision_streams is None else provision_streams:
             await ensure_streams(self.js, self.subjects, stream_settings)
         if self._sub is None:
             self._sub = await self.nc.subscribe(
-                f"{self.inbox}.>", cb=self._on_chunk,
+                self.subjects.inbox_subscription(self.owner, self.tenant), cb=self._on_chunk,
                 # The relay must never be the slow one: let NATS buffer generously;
                 # per-request queues are the real bound.
                 pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30,
@@ -198,7 +191,9 @@ class FairlaneClient:
             log.warning("malformed_chunk", subject=msg.subject, error=str(exc))
             return
         stream = self._streams.get(chunk.request_id)
-        if stream is not None:
+        # Only the stream's own tenant's inbox may feed it (the dispatcher sends a
+        # tenant's chunks nowhere else), whatever request id a chunk names.
+        if stream is not None and Subjects.reply_tenant(msg.subject) in (None, stream.tenant):
             stream._offer(chunk)
 
     def _forget(self, request_id: str) -> None:
@@ -274,20 +269,20 @@ class FairlaneClient:
 
     async def cancel(self, request_id: str, pool: str, tenant: str = "",
                      reason: str = "client_gone") -> None:
-        msg = Cancel(request_id=request_id, tenant=tenant, reason=reason)
+        msg = Cancel(request_id=request_id, tenant=tenant or self.tenant or "", reason=reason)
         if not self.nc.is_connected:
             # Would be lost or stuck in the reconnect buffer: resend after reconnect.
             self._pending_cancels[request_id] = msg
             self._pending_pools[request_id] = pool
             return
-        await self.nc.publish(self.subjects.cancel(pool), encode(msg))
+        await self.nc.publish(self.subjects.cancel(pool, msg.tenant), encode(msg))
 
     async def _send_pending_cancels(self) -> None:
         pending, self._pending_cancels = self._pending_cancels, {}
         for rid, msg in pending.items():
             pool = self._pending_pools.pop(rid, "default")
             with contextlib.suppress(Exception):
-                await self.nc.publish(self.subjects.cancel(pool), encode(msg))
+                await self.nc.publish(self.subjects.cancel(pool, msg.tenant), encode(msg))
         if pending:
             log.info("pending_cancels_sent", count=len(pending))
             with contextlib.suppress(Exception):
@@ -366,8 +361,11 @@ class FairlaneClient:
         reserved first (refused with ``rate_limited`` and a retry hint when spent) and
         settled later from the usage stream; a refused publish gives them back.
         """
-        req.reply_to = f"{self.inbox}.{req.request_id}"
         try:
+            if self.tenant is not None and req.tenant != self.tenant:
+                raise ProtocolError(f"this client acts for tenant {self.tenant!r} only, not "
+                                    f"{req.tenant!r}", ErrorCode.UNAUTHORIZED)
+            req.reply_to = self.subjects.reply_subject(self.owner, req.tenant, req.request_id)
             subject = self.subjects.request(req.pool, req.tier, req.tenant)
             pool_limits = await self._pool_limits(req)
             check_request(req, limits or pool_limits)
@@ -441,11 +439,11 @@ class FairlaneClient:
         try:
             # Bounded: every duplicate answer either attaches, fails or moves on.
             for _ in range(4):
-                ack = await self.js.publish(subject, encode(req), headers={
-                    "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
-                    # Lets the dispatcher answer even if the body arrives unreadable.
-                    REPLY_HEADER: req.reply_to,
-                })
+                ack = await guard_publish(self.nc, subject, self.js.publish(
+                    subject, encode(req), headers={
+                        "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
+                        # Lets the dispatcher answer even if the body arrives unreadable.
+                        REPLY_HEADER: req.reply_to}))
                 self._remember(req.request_id, req.attempt)
                 if not getattr(ack, "duplicate", False):
                     break

@@ -30,6 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
 from fairlane.errors import ErrorCode
+from fairlane.natsconn import connect_options
 from fairlane.ratelimit import RateLimiter, UsageSettler
 from fairlane.runtime import log_nats_error
 from fairlane.tenants import TenantsWatcher
@@ -109,7 +110,7 @@ def create_app(
                    if settings.redis_url else RateLimiter(None, key_prefix=settings.prefix))
         c = client
         if c is None:
-            nc = await nats.connect(settings.nats_url, name="fairlane-streamer",
+            nc = await nats.connect(**connect_options(settings), name="fairlane-streamer",
                                     max_reconnect_attempts=-1, error_cb=log_nats_error)
             c = FairlaneClient(
                 nc,

@@ -108,7 +108,8 @@ class FakeFleet:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=100_000),
         )
         self._subs.append(psub)
-        self._subs.append(await self.nc.subscribe(f"{self.subjects.prefix}.cancel.*",
+        # fl.cancel.<pool>.<tenant>, and the tenant-less fl.cancel.<pool>.
+        self._subs.append(await self.nc.subscribe(f"{self.subjects.prefix}.cancel.>",
                                                   cb=self._on_cancel))
         self._loop_task = asyncio.create_task(self._loop(psub))
         return self

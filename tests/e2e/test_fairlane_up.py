@@ -52,7 +52,10 @@ async def test_fairlane_up_serves_and_ctrl_c_leaves_no_process(tmp_path):
         children = descendants(proc.pid)
         assert len(children) >= 6  # nats, redis, dispatcher, 2 workers, streamer
 
-        client = await FairlaneClient.connect(f"nats://127.0.0.1:{nats_port}")
+        # NATS auth is on by default: log in as the tenant, with the password up wrote.
+        password = (tmp_path / "fl" / "nats-auth" / "credentials" / "acme.password").read_text()
+        client = await FairlaneClient.connect(f"nats://127.0.0.1:{nats_port}", tenant="acme",
+                                              user="acme", password=password.strip())
         done = await (await client.submit(spec(tenant="acme", prompt="hi", max_tokens=8))).collect()
         await client.close()
         assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0

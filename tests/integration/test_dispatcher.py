@@ -239,7 +239,7 @@ async def test_cancel_queued_request(env, nc):
     dispatcher, client, subjects = env
     stream = await client.submit(spec(tenant="acme", pool="p", prompt="hello", max_tokens=5))
     await wait_until(lambda: dispatcher.scheduler.is_queued(stream.request_id))
-    sub = await nc.subscribe(f"{client.inbox}.{stream.request_id}")
+    sub = await nc.subscribe(client.subjects.reply_subject(client.owner, "acme", stream.request_id))
     await stream.cancel("user")
     chunk = decode_chunk((await sub.next_msg(timeout=5)).data)
     assert chunk.error.code == ErrorCode.CANCELLED

@@ -1,0 +1,90 @@
+"""The producer's NATS login: credentials, the tenant's inboxes, refused publishes.
+
+A producer acting for ONE tenant (`FairlaneClient(tenant=...)`, the producer CLI)
+logs in with that tenant's NATS user (`fairlane nats-config`), which may publish only
+the tenant's requests and cancels and read only its inboxes; so the connection's
+request inbox (where JetStream's PubAck and the dispatcher's answers arrive) is moved
+inside them (`Subjects.rpc_inbox`). A multi-tenant edge (the streamer) logs in as a
+service user and keeps nats-py's inbox under ``_INBOX.<user>``.
+
+nats-py reports a refused publish only to the error callback, so a refused
+JetStream publish would end as a timeout; `guard_publish` turns it into a
+`RequestError` (code ``unauthorized``) naming the refused subject, at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NatsClient
+
+from fairlane.errors import ErrorCode
+from fairlane.natsconn import (
+    PermissionDenied,
+    PermissionWatch,
+    credentials,
+    permission_watch,
+    server_urls,
+    watch_permissions,
+)
+from fairlane.runtime import log_nats_error
+from fairlane.subjects import Subjects
+from producer.stream import RequestError
+
+
+async def open_connection(nats_url: str, *, prefix: str = "fl", tenant: str | None = None,
+                          user: str = "", password: str = "", tls_ca_file: str = "",
+                          **nats_kw: Any) -> NatsClient:
+    """nats.connect with the producer's login; `nats_kw` are nats-py's own options.
+    The connection's permission errors are watched (see `guard_publish`)."""
+    inbox = Subjects(prefix).rpc_inbox(tenant) if tenant else None
+    watch = PermissionWatch(nats_kw.pop("error_cb", log_nats_error))
+    nats_kw.setdefault("name", "fairlane-producer")
+    nc = await nats.connect(**{**credentials(user, password, tls_ca_file, inbox),
+                               "servers": server_urls(nats_url), **nats_kw},
+                            error_cb=watch.error_cb)
+    watch_permissions(nc, watch)
+    return nc
+
+
+async def connect_client(cls: Any, nats_url: str, *, user: str = "", password: str = "",
+                         tls_ca_file: str = "", **kwargs: Any) -> Any:
+    """`FairlaneClient.connect`: a connection of its own (reconnecting for ever),
+    cancels held while disconnected sent on reconnect, every stream failed on close."""
+    holder: list[Any] = []
+
+    async def on_reconnect() -> None:
+        if holder:
+            await holder[0]._send_pending_cancels()
+
+    async def on_closed() -> None:
+        if holder:
+            holder[0]._fail_all(ErrorCode.STREAM_LOST, "NATS connection closed")
+
+    nc = await open_connection(nats_url, prefix=kwargs.get("prefix", "fl"),
+                               tenant=kwargs.get("tenant"), user=user, password=password,
+                               tls_ca_file=tls_ca_file, max_reconnect_attempts=-1,
+                               reconnected_cb=on_reconnect, closed_cb=on_closed)
+    client = cls(nc, owns_connection=True, **kwargs)
+    holder.append(client)
+    await client.start()
+    return client
+
+
+def denied_error(exc: PermissionDenied) -> RequestError:
+    return RequestError(f"NATS refused to let this user {exc.op} to {exc.subject!r} "
+                        f"(its credentials do not allow it): {exc}", ErrorCode.UNAUTHORIZED)
+
+
+async def guard_publish(nc: NatsClient, subject: str, aw: Awaitable[Any]) -> Any:
+    """Await a publish (e.g. JetStream's, which waits for its PubAck); raise
+    `RequestError` (unauthorized) as soon as the server refuses it."""
+    watch = permission_watch(nc)
+    if watch is None:  # a connection made elsewhere: a refusal ends as a timeout
+        return await aw
+    try:
+        return await watch.guard("publish", subject, aw)
+    except PermissionDenied as exc:
+        raise denied_error(exc) from None
