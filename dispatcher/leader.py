@@ -96,6 +96,9 @@ class LeaderLease:
     ttl_s: float
     on_lead: Callable[[int], Awaitable[None]]
     on_lose: Callable[[], Awaitable[None]]
+    # Replicas of the bucket: in a NATS cluster the lease must outlive one node (a
+    # bucket on a dead node would fence every dispatcher of the pool).
+    replicas: int = 1
     machine: LeaseMachine = field(init=False)
     _kv: object = None
     _task: asyncio.Task | None = None
@@ -114,7 +117,8 @@ class LeaderLease:
         return self.machine.leading(mono_ms())
 
     async def start(self) -> None:
-        self._kv = await self.js.create_key_value(bucket=self.bucket, ttl=self.ttl_s, history=1)
+        self._kv = await self.js.create_key_value(bucket=self.bucket, ttl=self.ttl_s, history=1,
+                                                  replicas=self.replicas)
         self._task = asyncio.create_task(self._loop())
 
     async def acquire(self) -> int:
@@ -191,7 +195,7 @@ class LeaderLease:
 
 
 def pool_lease(js: object, prefix: str, pool: str, ttl_s: float,
-               on_lose: Callable[[], Awaitable[None]]) -> LeaderLease:
+               on_lose: Callable[[], Awaitable[None]], replicas: int = 1) -> LeaderLease:
     """The lease of one pool: bucket `<prefix>_leader`, key = pool, value = host:pid."""
 
     async def no_op(epoch: int) -> None:
@@ -199,4 +203,4 @@ def pool_lease(js: object, prefix: str, pool: str, ttl_s: float,
 
     return LeaderLease(js, bucket=f"{prefix}_leader", key=pool,
                        holder=f"{socket.gethostname()}:{os.getpid()}", ttl_s=ttl_s,
-                       on_lead=no_op, on_lose=on_lose)
+                       on_lead=no_op, on_lose=on_lose, replicas=replicas)

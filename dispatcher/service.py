@@ -136,7 +136,8 @@ class Dispatcher(Ingest):
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.subjects, s)
         # A standby waits here: no consumers, no pull/info answers until it leads.
-        self.lease = pool_lease(self.js, s.prefix, s.pool, s.leader_lease_ttl_s, self._fenced)
+        self.lease = pool_lease(self.js, s.prefix, s.pool, s.leader_lease_ttl_s, self._fenced,
+                                replicas=s.stream_replicas or 1)
         self.epoch = await self.lease.acquire()
         if not self.lease.predecessor_released:
             # After a crash, redeliveries may be running on workers already: wait one

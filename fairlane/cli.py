@@ -32,7 +32,6 @@ import msgspec
 
 from fairlane.embedded import (
     EmbeddedServerError,
-    NatsServer,
     RedisServer,
     die_with_parent,
     free_port,
@@ -40,6 +39,7 @@ from fairlane.embedded import (
 )
 from fairlane.logs import LogLevel
 from fairlane.natsauth import AUTH_FILE, CREDENTIALS_DIR, service_user, write_nats_auth
+from fairlane.natscluster import NatsCluster, default_replicas
 from fairlane.poolconfig import Policy
 from fairlane.protocol import PoolInfoRequest, ProtocolError, decode_event, encode
 from fairlane.settings import PositiveInt, load_settings
@@ -50,7 +50,12 @@ DEMO_TENANTS = Path(__file__).with_name("demo_tenants.yaml")
 
 class UpSettings(msgspec.Struct, kw_only=True):
     data_dir: str = ".fairlane"  # nats store and logs
-    nats_port: int = 4222  # 0 = any free port
+    nats_port: int = 4222  # 0 = any free port (in a cluster: the first node's port)
+    # NATS nodes: 1 = a single nats-server; 3 = a cluster on loopback (routes, JetStream
+    # on each); every process gets every node's URL and fails over between them.
+    nats_cluster: PositiveInt = 1
+    # JetStream replicas of the streams and the leader-lease bucket; empty: min(3, nodes).
+    stream_replicas: PositiveInt | None = None
     http_port: int = 8080  # streamer; 0 = any free port
     pool: str = "default"  # the model pool the fleet serves
     prefix: str = "fl"  # subject and stream prefix of the deployment
@@ -78,7 +83,7 @@ class Fleet:
         self.s = s
         self.data_dir = Path(s.data_dir).resolve()
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.nats: NatsServer | None = None
+        self.nats: NatsCluster | None = None
         self.redis: RedisServer | None = None
         # Wraps each spawn: `cmd_up` defers stop signals there (see `_StopSignals`).
         self.hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -127,16 +132,17 @@ class Fleet:
 
             write_nats_auth(sorted(load_tenants(s.tenants_file).tenants), self.auth_dir,
                             s.prefix)
-        self.nats = NatsServer(
-            store_dir=str(self.data_dir / "nats"),
-            port=s.nats_port or free_port(),
-            log_file=str(self.data_dir / "logs" / "nats-server.log"),
+        self.nats = NatsCluster(
+            s.nats_cluster, str(self.data_dir / "nats"), log_dir=str(self.data_dir / "logs"),
+            client_port=s.nats_port or free_port(),
             auth_conf=str(self.auth_dir / AUTH_FILE) if s.auth else None,
         )
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         with self.hold():
             self.nats.start()
-        common = ["--nats-url", self.nats.url, "--prefix", s.prefix, "--pool", s.pool]
+        replicas = s.stream_replicas or default_replicas(s.nats_cluster)
+        common = ["--nats-url", self.nats.url, "--prefix", s.prefix, "--pool", s.pool,
+                  "--stream-replicas", str(replicas)]
         if s.redis:
             with self.hold():
                 self.redis = RedisServer().start()
@@ -156,8 +162,7 @@ class Fleet:
             self._spawn(f"worker-{i}", "gpu_worker", args, "worker")
         if s.streamer and _have_module("streamer.__main__"):
             self.http_port = s.http_port or free_port()
-            args = ["--nats-url", self.nats.url, "--prefix", s.prefix, "--pool", s.pool,
-                    "--port", str(self.http_port)]
+            args = [*common, "--port", str(self.http_port)]
             if self.redis:
                 args += ["--redis-url", self.redis.url]
             if s.tenants_file:
@@ -167,8 +172,9 @@ class Fleet:
     def dead_children(self) -> list[str]:
         """``name (exit N): its last log line`` for each child that has exited, servers
         included, so the user reads the child's own reason here, not in a log file."""
-        servers = [(name, srv.proc) for name, srv in (("nats-server", self.nats),
-                                                      ("redis-server", self.redis))
+        nodes = [(self.nats.log_name(n.server_name), n) for n in self.nats.nodes] if (
+            self.nats) else []
+        servers = [(name, srv.proc) for name, srv in (*nodes, ("redis-server", self.redis))
                    if srv is not None and srv.proc is not None]
         out = []
         for name, p in [*servers, *self.procs]:
@@ -233,7 +239,7 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
         admin = service_user("admin")
         login = {"user": admin, "password": fleet.password_file(admin).read_text().strip()}
     try:
-        nc = await nats.connect(fleet.nats.url, max_reconnect_attempts=3, error_cb=quiet,
+        nc = await nats.connect(fleet.nats.urls, max_reconnect_attempts=3, error_cb=quiet,
                                 **login)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         dead = "; ".join(fleet.dead_children())

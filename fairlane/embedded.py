@@ -142,6 +142,8 @@ class NatsServer:
     log_file: str | None = None
     auth_conf: str | None = None
     tls: TlsFiles | None = None
+    server_name: str = ""  # required by JetStream in a cluster (see fairlane.natscluster)
+    extra_args: list[str] = field(default_factory=list)  # e.g. the cluster's routes
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -167,6 +169,9 @@ class NatsServer:
             "-js",
             "-sd", self.store_dir,
         ]
+        if self.server_name:
+            args += ["--server_name", self.server_name]
+        args += self.extra_args
         if self.auth_conf or self.tls:
             args += ["-c", self._write_config()]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115

@@ -35,8 +35,8 @@ from typing import Any
 
 from nats.js.errors import NotFoundError
 
-from fairlane.embedded import NatsServer
 from fairlane.errors import ErrorCode
+from fairlane.natscluster import NatsCluster, default_replicas
 from fairlane.protocol import (
     InferenceRequest,
     PoolInfoRequest,
@@ -71,8 +71,10 @@ class ChaosRun:
         self.spec = spec
         self.subjects = Subjects(PREFIX)
         self.procs = Procs(self.workdir)
-        self.nats = NatsServer(store_dir=str(self.workdir / "nats-store"),
-                               log_file=str(self.workdir / "nats-server.log"))
+        # One node: the same store and log paths as a lone NatsServer always had.
+        self.cluster = NatsCluster(spec.nats_cluster, str(self.workdir / "nats-store"),
+                                   log_dir=str(self.workdir))
+        self.nats = self.cluster.nodes[0]  # the broker, when there is one node
         self.obs = Observer()
         self.client: FairlaneClient | None = None
         self.requests: dict[str, Req] = {}
@@ -104,8 +106,8 @@ class ChaosRun:
         await self.close()
 
     async def _start(self) -> None:
-        self.nats.start()
-        await self.obs.start(self.nats.url)
+        self.cluster.start()
+        await self.obs.start(self.cluster.url)
         if self.spec.tenants_yaml:
             self.tenants_file = self.workdir / "tenants.yaml"
             self.tenants_file.write_text(self.spec.tenants_yaml)
@@ -115,7 +117,7 @@ class ChaosRun:
             self.spawn_dispatcher(f"dispatcher-{'abcdef'[i]}")
         for i in range(self.spec.num_workers):
             self.spawn_worker(i)
-        self.client = await FairlaneClient.connect(self.nats.url, prefix=PREFIX,
+        self.client = await FairlaneClient.connect(self.cluster.url, prefix=PREFIX,
                                                    **self.client_kwargs)
         await self.wait(lambda: all(f"worker-{i}" in self.obs.heartbeats
                                     for i in range(self.spec.num_workers)), 60, "heartbeats")
@@ -143,10 +145,11 @@ class ChaosRun:
                 await asyncio.wait_for(self.client.close(), 5)
         await self.obs.close()
         self.procs.close()
-        if self.nats.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.nats.proc.pid, signal.SIGCONT)
-        self.nats.stop()
+        for node in self.cluster.nodes:
+            if node.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(node.proc.pid, signal.SIGCONT)
+        self.cluster.stop()
 
     def _spawn_task(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -157,7 +160,8 @@ class ChaosRun:
     # --- processes ------------------------------------------------------------------
 
     def _common(self) -> list[str]:
-        return ["--nats-url", self.nats.url, "--prefix", PREFIX, "--pool", POOL]
+        return ["--nats-url", self.cluster.url, "--prefix", PREFIX, "--pool", POOL,
+                "--stream-replicas", str(default_replicas(self.spec.nats_cluster))]
 
     def spawn_dispatcher(self, name: str) -> None:
         args = ["-m", "dispatcher", *self._common(), "--ack-wait-s", str(self.spec.ack_wait_s),
@@ -232,6 +236,33 @@ class ChaosRun:
 
     def start_nats(self) -> None:
         self.nats.start()  # same port, monitor port and store
+
+    def kill_node(self, name: str) -> None:
+        """kill -9 one node of the cluster (its store survives)."""
+        self.cluster.kill_node(name)
+
+    def start_node(self, name: str) -> None:
+        self.cluster.start_node(name)  # same ports and store: it catches up from its peers
+
+    async def stream_leader(self, stream: str | None = None) -> str | None:
+        """The node leading a stream's raft group (default FL_REQUESTS), or None."""
+        try:
+            info = await self.obs.nc.jetstream().stream_info(
+                stream or self.subjects.requests_stream)
+        except Exception:
+            return None
+        return info.cluster.leader if info.cluster else None
+
+    async def stream_replicas_current(self, stream: str | None = None) -> bool:
+        """Every replica of the stream is current (a restarted node has caught up)."""
+        try:
+            info = await self.obs.nc.jetstream().stream_info(
+                stream or self.subjects.requests_stream)
+        except Exception:
+            return False
+        peers = (info.cluster.replicas or []) if info.cluster else []
+        return bool(info.cluster and info.cluster.leader) and all(
+            p.current and not p.offline for p in peers)
 
     def pause_nats(self, stop: bool) -> None:
         assert self.nats.proc is not None

@@ -28,6 +28,9 @@ class FleetSpec:
     lease_ttl_s: float = 3.0
     num_dispatchers: int = 1
     tenants_yaml: str | None = None
+    # NATS nodes: 1 = one nats-server; 3 = a cluster on loopback, streams and the
+    # leader-lease bucket with 3 replicas (fairlane.natscluster).
+    nats_cluster: int = 1
 
 
 # --- what the client saw ----------------------------------------------------------------

@@ -58,7 +58,7 @@ class Observer:
         async def quiet(exc: Exception) -> None:
             pass
 
-        self.nc = await nats.connect(url, name="chaos-observer", max_reconnect_attempts=-1,
+        self.nc = await nats.connect(url.split(","), name="chaos-observer", max_reconnect_attempts=-1,
                                      reconnect_time_wait=0.1, error_cb=quiet,
                                      disconnected_cb=on_disc)
         big = {"pending_msgs_limit": 10_000_000, "pending_bytes_limit": 1 << 31}

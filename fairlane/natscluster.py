@@ -1,0 +1,117 @@
+"""A NATS cluster on this machine: N nats-servers with routes and JetStream on each.
+
+For `fairlane up --nats-cluster 3` and the cluster chaos tests. Every node listens on
+127.0.0.1 (client, route and monitor ports of its own), keeps its JetStream store in
+``<base_dir>/n<i>``, and names itself ``n<i>`` (JetStream clustering needs names).
+`start` returns once every node reports healthy (JetStream's meta group has a
+leader), so streams can be created right after. A node killed with `kill_node`
+restarts on the same ports and store with `start_node` and catches up from its peers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fairlane.embedded import EmbeddedServerError, NatsServer, TlsFiles, free_port
+
+CLUSTER_NAME = "fairlane"
+
+
+def default_replicas(cluster_size: int) -> int:
+    """JetStream replicas for a cluster of this size: 3 where possible (survives one
+    node down), never more nodes than exist."""
+    return max(1, min(3, cluster_size))
+
+
+@dataclass
+class NatsCluster:
+    size: int
+    base_dir: str
+    log_dir: str | None = None
+    client_port: int = 0  # first node's client port; 0 = free ports for all
+    auth_conf: str | None = None
+    tls: TlsFiles | None = None
+    nodes: list[NatsServer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError("a cluster has at least one node")
+        route_ports = [free_port() for _ in range(self.size)]
+        routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
+        single = self.size == 1  # a plain server: the store and log a single node always had
+        for i in range(self.size):
+            name = f"n{i + 1}"
+            log = (str(Path(self.log_dir) / f"{self.log_name(name)}.log")
+                   if self.log_dir else None)
+            cluster_args = [] if single else [
+                "--cluster_name", CLUSTER_NAME,
+                "--cluster", f"nats://127.0.0.1:{route_ports[i]}", "--routes", routes]
+            self.nodes.append(NatsServer(
+                store_dir=self.base_dir if single else str(Path(self.base_dir) / name),
+                log_file=log,
+                port=self.client_port if (i == 0 and self.client_port) else free_port(),
+                auth_conf=self.auth_conf, tls=self.tls, server_name="" if single else name,
+                extra_args=cluster_args))
+
+    def log_name(self, server_name: str) -> str:
+        """The node's name in logs and messages: ``nats-server`` alone, else
+        ``nats-server-n<i>``."""
+        return "nats-server" if self.size == 1 else f"nats-server-{server_name}"
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated: what each process's --nats-url takes."""
+        return ",".join(self.urls)
+
+    def node(self, name: str) -> NatsServer:
+        return next(n for n in self.nodes if n.server_name == name or self.size == 1)
+
+    def start(self, timeout_s: float = 60.0) -> NatsCluster:
+        for n in self.nodes:
+            n.start(timeout_s)
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 60.0, nodes: list[NatsServer] | None = None) -> None:
+        """Until each node's /healthz says ok: connected to its routes, JetStream
+        current (a meta leader elected), so stream operations do not fail with 503."""
+        deadline = time.monotonic() + timeout_s
+        for n in nodes or self.nodes:
+            while not healthy(n):
+                if n.proc is None or n.proc.poll() is not None:
+                    raise EmbeddedServerError(f"nats-server {n.server_name} exited")
+                if time.monotonic() > deadline:
+                    raise EmbeddedServerError(
+                        f"nats-server {n.server_name} not healthy within {timeout_s}s")
+                time.sleep(0.1)
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL one node (its store survives for `start_node`)."""
+        self.node(name).kill()
+
+    def start_node(self, name: str, timeout_s: float = 60.0) -> None:
+        node = self.node(name)
+        node.start(timeout_s)
+        self.wait_healthy(timeout_s, [node])
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+def healthy(node: NatsServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz",
+                                    timeout=1) as r:
+            return r.status == 200 and json.loads(r.read() or b"{}").get("status") == "ok"
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
