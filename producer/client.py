@@ -38,12 +38,9 @@ from fairlane.protocol import (
     PoolInfoRequest,
     ProtocolError,
     RequestState,
-    RequestStatus,
     SamplingParams,
-    StatusRequest,
     decode_chunk,
     decode_pool_info,
-    decode_status,
     encode,
 )
 from fairlane.ratelimit import RateLimiter, RateLimits
@@ -53,16 +50,15 @@ from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 from producer.auth import connect_client, guard_publish
 from producer.migrate import resume_stream
+from producer.silence import SilenceWatch
 from producer.spec import RequestSpec, new_request_id
 from producer.stream import Completion, RequestError, RequestStream
 from producer.watch import (
     DEFAULT_MAX_SILENCE_S,
     DEFAULT_SILENCE_S,
-    STATUS_TIMEOUT_S,
     Action,
     dedupe_key,
     duplicate_action,
-    silence_action,
 )
 
 # The library's public names: callers import the request description from here.
@@ -72,7 +68,7 @@ __all__ = ["Completion", "FairlaneClient", "RequestError", "RequestSpec", "Reque
 log = structlog.get_logger(__name__)
 
 
-class FairlaneClient:
+class FairlaneClient(SilenceWatch):
     """Submits requests and relays their tokens. Safe for many concurrent requests."""
 
     def __init__(
@@ -211,54 +207,6 @@ class FairlaneClient:
         """Remember a retryable failure: resubmitting the id then uses attempt + 1."""
         if stream.failure is not None and stream.failure.retryable:
             self._retry_next.add(stream.request_id)
-
-    async def request_status(self, pool: str, request_id: str,
-                             tenant: str = "") -> RequestStatus | None:
-        """The pool dispatcher's status of a request; None when nobody answers."""
-        try:
-            msg = await self.nc.request(
-                self.subjects.status(pool),
-                encode(StatusRequest(request_id=request_id, tenant=tenant)),
-                timeout=STATUS_TIMEOUT_S)
-            return decode_status(msg.data)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, ProtocolError,
-                nats.errors.ConnectionClosedError):
-            return None
-
-    async def _watch_silence(self) -> None:
-        """One task for all streams: ask about the silent ones, fail the lost ones."""
-        loop = asyncio.get_running_loop()
-        tick_s = min(1.0, self.silence_s / 2)
-        while True:
-            await asyncio.sleep(tick_s)
-            now = loop.time()
-            silent = [s for s in self._streams.values()
-                      if not s._done and s.failure is None and not s._ended_upstream
-                      and now - s._last_chunk_s >= self.silence_s]
-            if silent:
-                await asyncio.gather(*(self._check_silent(s, now) for s in silent),
-                                     return_exceptions=True)
-
-    async def _check_silent(self, stream: RequestStream, now: float) -> None:
-        status = await self.request_status(stream.pool, stream.request_id, stream.tenant)
-        if stream._done or stream.failure is not None:
-            return
-        if stream._unvouched_since_s is None:
-            stream._unvouched_since_s = stream._last_chunk_s
-        silent_s = asyncio.get_running_loop().time() - stream._unvouched_since_s
-        action, error = silence_action(status, silent_s, self.max_silence_s,
-                                       started=stream._next_seq > stream._resumed_at_seq)
-        if action is Action.WAIT:
-            stream._last_chunk_s = asyncio.get_running_loop().time()
-            stream._unvouched_since_s = None
-        elif action is Action.FAIL:
-            assert error is not None
-            log.warning("stream_silent_failed", request_id=stream.request_id,
-                        code=str(error.code), silent_s=round(silent_s, 1))
-            stream._fail(error)
-            self._forget(stream.request_id)
-        else:  # ASK_AGAIN: restart the short timer, keep the total-silence clock
-            stream._last_chunk_s = asyncio.get_running_loop().time()
 
     def _spawn_cancel(self, stream: RequestStream, reason: str) -> None:
         self._forget(stream.request_id)
