@@ -19,8 +19,8 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from dispatcher import metrics
-from dispatcher.scheduler.types import Dispatch
-from fairlane.protocol import InferenceRequest, WorkItem
+from dispatcher.scheduler.types import ActualUsage, Dispatch
+from fairlane.protocol import Finished, InferenceRequest, WorkItem
 
 log = structlog.get_logger(__name__)
 
@@ -128,3 +128,11 @@ def work_item(d: Dispatch, now: float, epoch_ms: int) -> WorkItem:
         # A continuation's message was acked when it first started.
         ack_subject=None if held.settled else (held.msg.reply or None),
     )
+
+
+def usage_of(ev: Finished) -> ActualUsage | None:
+    """What a `Finished` event says the request cost (None: no usage reported)."""
+    u = ev.usage
+    if u is None:
+        return None
+    return ActualUsage(u.prompt_tokens, u.completion_tokens, u.kv_token_seconds, u.e2e_ms)

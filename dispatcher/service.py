@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from dispatcher import metrics
 from dispatcher.config import DispatcherSettings
-from dispatcher.held import Held, HeldMessages, work_item
+from dispatcher.held import Held, HeldMessages, usage_of, work_item
 from dispatcher.ingest import Ingest
 from dispatcher.janitor import Janitor
 from dispatcher.leader import LeaderLease, pool_lease
@@ -32,7 +32,6 @@ from dispatcher.queries import answer_info, answer_status
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
-from dispatcher.scheduler.types import ActualUsage
 from fairlane.natsconn import connect_options
 from fairlane.poolconfig import SchedulerConfig, check_policy
 from fairlane.protocol import (
@@ -68,6 +67,10 @@ class _Pull:
     pull: PullRequest
     reply: str
     expires_ms: float
+
+    @property
+    def free_slots(self) -> int:  # items that start at once (an older worker: all)
+        return self.pull.max_items if self.pull.free_slots is None else self.pull.free_slots
 
 
 @dataclass
@@ -239,6 +242,15 @@ class Dispatcher(Ingest):
         pending: deque[_Pull] = deque()
         if self.lease is not None and not self.lease.leading():
             return  # fenced: dispatch nothing more; unanswered pulls time out
+        if self.scheduler.num_queued and self._pulls:
+            # Before prefetch takes it: a waiting request of a tenant below its share
+            # would sit in an engine's queue until a slot turns over, so if no pull
+            # has a slot free, preempting for it comes first (DESIGN.md section 5b);
+            # and pulls with a slot free are served first, so the policy's next pick
+            # starts at once rather than in another worker's prefetch.
+            if not any(p.free_slots for p in self._pulls):
+                await self._apply(self.core.preemptions(now, 0))
+            self._pulls = deque(sorted(self._pulls, key=lambda p: p.free_slots == 0))
         while self._pulls:
             p = self._pulls.popleft()
             # Not declared lost since (nor replaced by a newer incarnation).
@@ -297,7 +309,7 @@ class Dispatcher(Ingest):
             if ev.usage is not None and ev.usage.num_recomputed_tokens:
                 metrics.RECOMPUTED_TOKENS.labels(tier=ev.usage.tier).inc(
                     ev.usage.num_recomputed_tokens)
-            actions = self.core.on_finished(ev.request_id, ev.worker_id, _usage(ev), now,
+            actions = self.core.on_finished(ev.request_id, ev.worker_id, usage_of(ev), now,
                                             incarnation=inc)
         elif isinstance(ev, Requeue):
             actions = self.core.on_handed_back(ev.request_id, ev.worker_id, now,
@@ -479,10 +491,3 @@ class Dispatcher(Ingest):
         except Exception as exc:  # a bad reply subject must not stop the dispatcher
             log.warning("error_reply_failed", request_id=request_id, reply_to=reply_to,
                         error=str(exc))
-
-
-def _usage(ev: Finished) -> ActualUsage | None:
-    u = ev.usage
-    if u is None:
-        return None
-    return ActualUsage(u.prompt_tokens, u.completion_tokens, u.kv_token_seconds, u.e2e_ms)

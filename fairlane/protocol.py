@@ -137,6 +137,11 @@ class PullRequest(Struct, kw_only=True):
     # New at every worker process start: tells a restarted worker (same worker_id)
     # from the process it replaces. "" from workers that predate incarnations.
     incarnation: str = ""
+    # Of `max_items`, how many would start at once (engine slots free); the rest is
+    # prefetch, which waits inside the engine for a slot to turn over. A pull with no
+    # free slot does not stop the dispatcher from preempting for a waiting tenant.
+    # None: a worker that predates this field (all of max_items counts as free).
+    free_slots: int | None = None
 
 
 class WorkBatch(Struct, kw_only=True, omit_defaults=True):

@@ -222,17 +222,19 @@ class Worker(RequestServing):
 
     # --- pulling --------------------------------------------------------------------
 
-    def _room(self) -> tuple[int, int]:
-        """(how many items to ask for, free KV tokens). Raises EngineDead."""
+    def _room(self) -> tuple[int, int, int]:
+        """(how many items to ask for, of those how many would start at once, free KV
+        tokens). Raises EngineDead."""
         load = self.engine.load()
         in_flight = max(len(self._reqs), load.num_running + load.num_waiting)
+        free_slots = max(0, self.s.max_num_seqs - in_flight)
         room = self.s.max_num_seqs + self.s.prefetch_seqs - in_flight
         # Work already queued inside the engine (slot- or KV-bound) is placed early;
         # keep that queue to at most the prefetch, so decisions stay late.
         if load.num_waiting > 0:
             room = min(room, self.s.prefetch_seqs - load.num_waiting)
         free_kv = max(0, load.kv_tokens_total - load.kv_tokens_used)
-        return room, free_kv
+        return room, min(free_slots, max(room, 0)), free_kv
 
     async def _pull_loop(self) -> None:
         assert self._nc is not None
@@ -242,7 +244,7 @@ class Worker(RequestServing):
         while not self._draining:
             self._slot_event.clear()
             try:
-                room, free_kv = self._room()
+                room, free_slots, free_kv = self._room()
             except EngineDead as exc:
                 self._engine_died(str(exc))
                 return
@@ -260,6 +262,7 @@ class Worker(RequestServing):
                 free_kv_tokens=free_kv,
                 wait_ms=min(self.s.pull_wait_ms, 60_000),
                 incarnation=self.incarnation,
+                free_slots=free_slots,
             )
             self.num_pulls += 1
             try:

@@ -197,15 +197,15 @@ class _TurnGatedShares(SlotShares):
         st = self._book.states.get((self._tier, waiter.tenant))
         if st is None or waiter.head is None or not st.active or not super().owed(waiter):
             return False
+        if not any(o.queue for o in self._ring if o is not st):
+            return True  # alone with work in its tier: DRR's next pick whatever its credit
         credit = st.credit
-        # Its next quantum comes with its next turn: now if it is not in one, or when
-        # its current one ends and nobody else in the ring has work to take a turn. A
-        # quiet tenant (its whole demand fits in its share) may spend its next turn's
+        # Its next quantum comes with its next turn: now if it is not in one. A quiet
+        # tenant (its whole demand fits in its share) may spend its next turn's
         # quantum early: with every slot held by a flood, DRR's round advances only as
         # slots turn over, and a tenant that asks for less than its share should not
         # wait for the round to come back. It goes at most one turn into debt, which
         # its next turn repays, so DRR's bound widens by one quantum at most.
-        if (not st.in_turn or waiter.quiet
-                or not any(o.queue for o in self._ring if o is not st)):
+        if not st.in_turn or waiter.quiet:
             credit += self._quantum * st.weight
         return estimate_cost(self._model, waiter.head) <= credit + _EPS

@@ -214,8 +214,11 @@ class _Decision:
             if not self._borrowed(j, i):
                 continue
             # Who in tier i gets the reclaimed slot: the one furthest below its share of
-            # the tier's slots plus that one.
-            waiters = self._waiters(i, self._shares(i, extra_slots=1))
+            # every slot not held by a higher tier (tier i may claim them all; floors
+            # are `_borrowed`'s to keep), so a tenant whose demand fits is quiet.
+            higher = sum(sum(self._run(k).values()) for k in range(i))
+            waiters = self._waiters(i, self._shares(
+                i, extra_slots=max(1, self.total - higher - sum(self._run(i).values()))))
             if not waiters:
                 return None
             lower = self._shares(j).standings.values()

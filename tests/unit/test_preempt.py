@@ -285,6 +285,22 @@ def test_a_higher_tier_reclaims_what_a_lower_one_borrowed():
     assert s.select(1, 2000)[0].request is e3
 
 
+def test_a_higher_tier_tenant_whose_demand_fits_the_pool_reclaims_at_once():
+    """e's three requests fit in what the free tier borrowed (4 slots): e is quiet, so
+    each reclaims a slot at once, not after the backlogged preempt_after_ms."""
+    s = Scheduler(cfg(tiers=two_tiers(), preempt_after_ms=200, quiet_preempt_after_ms=0,
+                      min_run_ms=0))
+    flood(s, "f", 10, 0, tier="free")
+    run(s, 4, 0)
+    e = flood(s, "e", 3, 1000, tier="enterprise")
+    for want in e:
+        (order,) = s.preemptions(1000, 0, worker_of)
+        assert order.for_request is want and order.request.tenant == "f"
+        s.preempted(order.request_id, 1, 1000)
+        (d,) = s.select(1, 1000)
+        assert d.request is want and s.on_started(want.request_id, 1000)
+
+
 def test_a_lower_tier_never_preempts_a_higher_one():
     s = Scheduler(cfg(tiers=two_tiers(aging_ms=10)))
     flood(s, "e", 10, 0, tier="enterprise")

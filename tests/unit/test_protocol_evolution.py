@@ -37,6 +37,7 @@ from fairlane.protocol import (
     Requeue,
     SamplingParams,
     Started,
+    StatusBatch,
     StatusRequest,
     TokenChunk,
     Usage,
@@ -62,7 +63,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     SamplingParams: REQ.sampling,
     InferenceRequest: REQ,
     WorkItem: WorkItem(request=REQ, engine_priority=2, cache_salt="acme"),
-    PullRequest: PullRequest(worker_id="w1", pool="p", max_items=4),
+    PullRequest: PullRequest(worker_id="w1", pool="p", max_items=4, free_slots=1),
     WorkBatch: WorkBatch(items=[WorkItem(request=REQ)]),
     Usage: USAGE,
     ErrorInfo: ERROR,
@@ -77,11 +78,13 @@ SAMPLES: dict[type, msgspec.Struct] = {
     PoolInfo: PoolInfo(pool="p", tiers=["paid"], tier="paid", max_tokens=8),
     HeartbeatAck: HeartbeatAck(known=False, epoch=3, worker_timeout_ms=3500),
     Continuation: Continuation(generated_token_ids=[5, 6], next_seq=2, num_preemptions=1),
-    Preempt: Preempt(request_id="r1", worker_id="w1", epoch=2),
+    Preempt: Preempt(request_id="r1", worker_id="w1", epoch=2,
+                     replacement=WorkItem(request=REQ, engine_priority=2, cache_salt="acme")),
     Preempted: Preempted(request_id="r1", worker_id="w1",
                          resume=Continuation(generated_token_ids=[5], next_seq=1)),
-    StatusRequest: StatusRequest(request_id="r1", tenant="acme"),
+    StatusRequest: StatusRequest(request_id="r1", tenant="acme", request_ids=["r1", "r2"]),
     RequestStatus: RequestStatus(request_id="r1", state="ended", attempt=1, error=ERROR),
+    StatusBatch: StatusBatch(statuses=[RequestStatus(request_id="r1", state="queued")]),
 }
 
 
