@@ -6,7 +6,7 @@ workers (`python -m gpu_worker --engine sim`) behind one loopback nats-server:
 
     fifo          policy: fifo, preemption: {enabled: false}
     drr           policy: drr,  preemption: {enabled: false}
-    drr+preempt   policy: drr,  preemption: {enabled: true, preempt_after_ms: 0}
+    drr+preempt   policy: drr,  preemption: {enabled: true}  (the pool defaults)
 
 Workload: step model `default` (7B-class step times) at time scale 1.0, 2 workers x
 `--max-num-seqs 32`, 32 prompt tokens, output lengths uniform in 128-384 (mean 256; the
@@ -35,22 +35,18 @@ simulator honours `expected_output_tokens`). TTFT = the client's monotonic clock
     dispatcher's fairlane_dispatcher_preemptions_total) and recomputed prefill tokens
     (Finished events' usage) as % of tokens generated.
 
-Workers run with `--prefetch-seqs 0` (the worker's default is 4) in every variant: with
-prefetch, the slot a preemption frees is taken at the next engine step by one of the
-flood's prefetched requests already waiting inside the engine, and the newcomer then
-waits there for the next natural turnover (measured: L's worker-side wait 71 ms p50 with
-prefetch 4 vs 27 ms with 0). With 256-token outputs a refill round trip is negligible
-next to a ~3 s request, so prefetch buys no throughput here. `--prefetch-seqs 4` runs
-the default.
+Workers run with the worker's default prefetch (`--prefetch-seqs 4`) in every variant:
+the waiting request travels with the preemption order and outranks the prefetched work
+in the engine's queue, and pulls report how many of their items would start at once, so
+prefetch no longer hides a full fleet from the preemption decision. `--prefetch-seqs 0`
+runs without prefetch.
 
-Why preempt_after_ms 0: the target is B's p99 <= 1.5x its p99 on an idle fleet (~20-30
-ms), i.e. 10-15 ms of slack, about one decode step; a preemption itself costs at least
-a step (the worker stops the victim at a step boundary, then the newcomer's prefill
-step). Any deliberate wait before preempting spends the whole budget; the hysteresis
-(min_run_ms, default 1 s) and the rate cap (max_per_s, default 20) bound the cost.
-`--preempt-after-ms` changes it (variant `drr+preempt@50` runs 50 ms beside it). In the
-backlogged scenario it changes nothing: a backlogged tenant's head has always waited
-longer than any such threshold.
+drr+preempt runs the pool defaults: a quiet tenant (running + queued within its fair
+share) preempts at once, a backlogged one after `preempt_after_ms` 200; the target is
+B's p99 <= 1.5x its p99 on an idle fleet (~20-30 ms), about one decode step of slack.
+The hysteresis (min_run_ms, default 1 s) and the rate cap (max_per_s, default 20) bound
+the cost. `--preempt-after-ms` sets the backlogged threshold (variant `drr+preempt@50`
+runs 50 ms beside it).
 
 Writes bench/results/preemption.md + .json (--quick: preemption.quick.md/.json).
 Runtime on the 2-core dev VM: full 28 min (3 reps x 3 variants; alone references in
@@ -353,10 +349,12 @@ def main() -> int:
     ap.add_argument("--window-s", type=float, default=None)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--prefetch-seqs", type=int, default=0,
+    ap.add_argument("--prefetch-seqs", type=int, default=4,
                     help="worker prefetch (the worker's default is 4; see the docstring)")
     ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--preempt-after-ms", type=float, default=0.0)
+    ap.add_argument("--preempt-after-ms", type=float, default=None,
+                    help="default: the pool's (200 ms for a backlogged tenant; a quiet "
+                         "one preempts at once)")
     ap.add_argument("--min-run-ms", type=float, default=1000.0)
     ap.add_argument("--max-per-s", type=int, default=20)
     ap.add_argument("--publish-concurrency", type=int, default=256)

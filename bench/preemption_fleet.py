@@ -36,7 +36,10 @@ def tenants_yaml(variant: str, args) -> str:
     if variant.startswith("drr+preempt"):
         _, _, after = variant.partition("@")
         after_ms = float(after) if after else args.preempt_after_ms
-        pre = (f"{{enabled: true, preempt_after_ms: {after_ms:g}, "
+        # None: the pool defaults (a quiet tenant preempts at once, a backlogged one
+        # after 200 ms).
+        after = "" if after_ms is None else f"preempt_after_ms: {after_ms:g}, "
+        pre = (f"{{enabled: true, {after}"
                f"min_run_ms: {args.min_run_ms:g}, max_per_s: {args.max_per_s}}}")
     else:
         pre = "{enabled: false}"

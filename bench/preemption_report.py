@@ -157,10 +157,13 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
     p("- requests: 32 prompt tokens, output uniform in 128–384 tokens (mean 256), "
       f"`cost_model: tokens`, DRR quantum {args.quantum or 544:g}; tiers `enterprise` "
       "(engine_priority 0) above `free` (10), no floors, no aging")
-    p(f"- variants (tenants file only): fifo = `policy: fifo, preemption: {{enabled: false}}`; "
-      f"drr = `policy: drr, preemption: {{enabled: false}}`; drr+preempt = `policy: drr, "
-      f"preemption: {{enabled: true, preempt_after_ms: {args.preempt_after_ms:g}, min_run_ms: "
-      f"{args.min_run_ms:g}, max_per_s: {args.max_per_s}}}`")
+    p("- variants (tenants file only): fifo = `policy: fifo, preemption: {enabled: false}`; "
+      "drr = `policy: drr, preemption: {enabled: false}`; drr+preempt = `policy: drr, "
+      "preemption: {enabled: true, "
+      + ("" if args.preempt_after_ms is None else f"preempt_after_ms: {args.preempt_after_ms:g}, ")
+      + f"min_run_ms: {args.min_run_ms:g}, max_per_s: {args.max_per_s}}}` (other knobs: the "
+      "pool defaults — a quiet tenant, whose running + queued requests fit in its share, "
+      "preempts at once; a backlogged one after `preempt_after_ms` 200)")
     p(f"- repetitions: {args.reps} (order {', '.join(args.variants.split(','))} then "
       f"reversed, alternating); alone references measured in the first {args.alone_reps}; "
       f"probes every {args.probe_interval_s * 1000:g} ms for {args.probe_s:g} s (alone: "
