@@ -107,11 +107,6 @@ class Scheduler:
     def in_flight_entries(self) -> Iterable[tuple[str, InFlight]]:
         return self._in_flight.items()
 
-    @property
-    def num_preemptions(self) -> Counter[tuple[str, str]]:
-        """(tier, tenant) -> its requests preempted so far (for metrics)."""
-        return self.preemptor.preempted
-
     def tenant_loads(self) -> dict[str, TenantLoad]:
         return self._loads
 
@@ -224,6 +219,7 @@ class Scheduler:
 
     def _unqueue(self, req: QueuedRequest) -> None:
         """Bookkeeping for a request leaving the queue (already out of `_queued`)."""
+        self.preemptor.unhome(req)
         load = self._load(req.tenant)
         load.num_queued -= 1
         load.queued_cost = load.queued_cost - req.est_cost if load.num_queued else 0.0
@@ -267,12 +263,11 @@ class Scheduler:
                 return req
         return None
 
-    def select(self, max_items: int, now_ms: float, free_kv_tokens: int | None = None) -> list[Dispatch]:
-        """Pick up to `max_items` requests for one pulling worker.
-
+    def select(self, max_items: int, now_ms: float, free_kv_tokens: int | None = None,
+               worker_id: str | None = None) -> list[Dispatch]:
+        """Pick up to `max_items` requests for one pulling worker (`worker_id`).
         `free_kv_tokens` bounds the sum of the picks' KV needs (the first pick always
-        goes: the engine preempts if it must, and a lone request must make progress).
-        """
+        goes: the engine preempts if it must, and a lone request must make progress)."""
         out: list[Dispatch] = []
         kv_budget = free_kv_tokens
         while len(out) < max_items and self._queued:
@@ -283,6 +278,10 @@ class Scheduler:
             req = held or self._pick(now_ms)
             if req is None:
                 break
+            if held is None and (home := self.preemptor.at_home(req, worker_id)) is not None:
+                self.policy.push_front(req, now_ms)
+                self.policy.take(home, now_ms)
+                req = home
             if kv_budget is not None and out and req.kv_tokens > kv_budget:
                 if held is None:
                     self.policy.push_front(req, now_ms)
@@ -417,16 +416,15 @@ class Scheduler:
         return self.preemptor.decide(self, now_ms, num_free_slots, worker_of)
 
     def dispatch_held(self, request_id: str, now_ms: float) -> Dispatch | None:
-        """Dispatch a held request now, with its preemption order (`PoolCore`): no pull
-        round trip, and nothing prefetched in that engine takes the slot first."""
+        """Dispatch a held request now, with its preemption order (`PoolCore`)."""
         req = self.preemptor.held.pop(request_id, None)  # quota checked as it was held
         if req is None or self._queued.get(request_id) is not req:
             return None
         self.policy.take(req, now_ms)
         return self._dispatch(req, now_ms)
 
-    def preempted(self, request_id: str, num_generated_tokens: int,
-                  now_ms: float) -> QueuedRequest | None:
+    def preempted(self, request_id: str, num_generated_tokens: int, now_ms: float,
+                  worker_id: str | None = None) -> QueuedRequest | None:
         """The worker stopped `request_id` after `num_generated_tokens` output tokens
         (earlier runs included): its quota is released, this run is settled to the work
         it did, and it goes to the front of its tenant's queue as a continuation charged
@@ -448,6 +446,8 @@ class Scheduler:
         req.num_preemptions += 1
         req.resume_cost = req.est_cost = continuation_cost(self.cost_model, req)
         self._enqueue(req, now_ms)
+        if worker_id is not None:
+            self.preemptor.home(req, worker_id)
         self.preemptor.preempted[(req.tier, req.tenant)] += 1
         return req
 

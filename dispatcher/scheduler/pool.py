@@ -251,7 +251,7 @@ class PoolCore:
         """Work for one pulling worker; nothing for a worker declared lost since."""
         if not self.is_alive(worker_id, incarnation) or not self.scheduler.num_queued:
             return []
-        out = self.scheduler.select(max_items, now_ms, free_kv_tokens)
+        out = self.scheduler.select(max_items, now_ms, free_kv_tokens, worker_id)
         for d in out:
             self.workers.assign(d.request.request_id, worker_id, now_ms)
         return out
@@ -335,7 +335,7 @@ class PoolCore:
         if not known or self.workers.worker_of(request_id) != worker_id:
             return out
         self.workers.unassign(request_id)
-        req = self.scheduler.preempted(request_id, num_generated_tokens, now_ms)
+        req = self.scheduler.preempted(request_id, num_generated_tokens, now_ms, worker_id)
         return out + ([Requeued(req, "preempted")] if req is not None else [])
 
     def on_heartbeat(self, worker_id: str, in_flight_ids: Iterable[str], now_ms: float, *,

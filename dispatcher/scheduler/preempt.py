@@ -92,6 +92,8 @@ class Preemptor:
         self._idle_until_ms = float("-inf")  # the last decision found nothing to do
         # (tier, tenant) -> its requests preempted (reported by workers), for metrics.
         self.preempted: Counter[tuple[str, str]] = Counter()
+        # (worker, tier, tenant) -> queued continuations preempted on that worker.
+        self._homed: dict[tuple[str, str, str], list[QueuedRequest]] = {}
 
     # --- hooks the core calls --------------------------------------------------------------
 
@@ -105,6 +107,33 @@ class Preemptor:
                 return req
             del self.held[rid]
         return None
+
+    # --- continuations go home: resumed where the prefix cache holds their tokens ----------
+
+    def home(self, req: QueuedRequest, worker_id: str) -> None:
+        req.home_worker = worker_id
+        self._homed.setdefault((worker_id, req.tier, req.tenant), []).append(req)
+
+    def unhome(self, req: QueuedRequest) -> None:
+        """`req` left the queue (dispatched, cancelled, expired, shed)."""
+        if req.home_worker is None:
+            return
+        key = (req.home_worker, req.tier, req.tenant)
+        homed = self._homed.get(key)
+        if homed is not None and req in homed:
+            homed.remove(req)
+            if not homed:
+                del self._homed[key]
+
+    def at_home(self, picked: QueuedRequest, worker_id: str | None) -> QueuedRequest | None:
+        """The policy picked `picked` for `worker_id`: a continuation of the same tenant
+        and tier preempted on that worker, to go instead (its prefix cache still holds
+        that one's tokens; the picked one's are elsewhere, or nowhere). The tenant gets
+        the same turn either way."""
+        if worker_id is None or picked.home_worker in (None, worker_id):
+            return None
+        homed = self._homed.get((worker_id, picked.tier, picked.tenant))
+        return homed[0] if homed else None
 
     def on_left(self, request_id: str) -> None:
         """The request left in flight (finished, requeued, preempted, lost)."""

@@ -38,6 +38,7 @@ class QueuedRequest:
     num_generated_tokens: int = 0  # output tokens its earlier runs generated, all of them
     paid_cost: float = 0.0  # what its earlier runs were charged, settled to the work they did
     resume_cost: float = 0.0  # a continuation's estimated cost: the work left, nothing more
+    home_worker: str | None = None  # a continuation: the worker whose prefix cache has it
     # Opaque to the core: the shell's handle (JetStream message, decoded request).
     payload: Any = field(default=None, repr=False, compare=False)
 

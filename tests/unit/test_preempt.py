@@ -76,7 +76,7 @@ def test_waiting_tenant_preempts_the_floods_most_recent_request(policy):
     assert cont is not None and s.is_queued(a_ids[2]) and cont.requeued
     assert (cont.num_preemptions, cont.num_generated_tokens) == (1, 7)
     assert s.tenant_loads()["a"].num_in_flight == 3
-    assert s.num_preemptions == Counter({("standard", "a"): 1})
+    assert s.preemptor.preempted == Counter({("standard", "a"): 1})
     # The freed slot goes to b, not back to a's continuation.
     assert [d.request for d in s.select(1, 1710)] == [b1]
     # a's continuation is at the front of a's queue: the next slot of a's is its.
@@ -399,3 +399,31 @@ def test_victims_without_a_known_worker_are_skipped():
     flood(s, "b", 1, 100)
     (order,) = s.preemptions(2000, 0, lambda rid: None if rid == a_ids[3] else "w1")
     assert (order.request_id, order.worker_id) == (a_ids[2], "w1")
+
+
+def test_a_continuation_resumes_on_the_worker_that_preempted_it():
+    """Two of a's requests preempted, one on each worker: whichever worker pulls a's
+    next turn gets the continuation whose tokens its prefix cache holds, not the one
+    at the front of a's queue; another tenant's turn is not touched."""
+    s = Scheduler(cfg(min_run_ms=0, quiet_preempt_after_ms=0))
+    flood(s, "a", 10, 0)
+    a_ids = run(s, 4, 0)
+    c1, c2 = a_ids[0], a_ids[1]
+    s.preempted(c1, 5, 100, worker_id="w1")
+    s.preempted(c2, 5, 100, worker_id="w2")
+    front = s.select(1, 100, worker_id="w2")[0].request
+    assert front.request_id == c2 and front.home_worker == "w2"
+    assert s.select(1, 100, worker_id="w1")[0].request.request_id == c1
+    # Nothing homed left: the policy's own pick again.
+    assert s.select(1, 100, worker_id="w2")[0].request.num_preemptions == 0
+
+
+def test_a_homed_continuation_that_left_the_queue_is_forgotten():
+    s = Scheduler(cfg(min_run_ms=0))
+    flood(s, "a", 10, 0)
+    a_ids = run(s, 4, 0)
+    s.preempted(a_ids[0], 5, 100, worker_id="w1")
+    s.preempted(a_ids[1], 5, 100, worker_id="w2")
+    assert s.cancel(a_ids[1]) is not None  # the w2 one, cancelled while queued
+    assert s.select(1, 100, worker_id="w2")[0].request.request_id == a_ids[0]
+    assert not s.preemptor._homed

@@ -86,14 +86,17 @@ class Fleet:
             return
         held = [r for r in self.s.preemptor.held.values()
                 if self.s.is_queued(r.request_id) and self.s.within_quota(r.tenant, r.kv_tokens)]
-        out = self.s.select(free, self.now)
+        # Pulls alternate between the two workers: continuations go home when they can.
+        self.num_pulls = getattr(self, "num_pulls", 0) + 1
+        wid = f"w{self.num_pulls % 2}"
+        out = self.s.select(free, self.now, worker_id=wid)
         if held:  # the freed slot goes to the request it was taken for
             assert out and out[0].request is held[0], (held, out)
-        for i, d in enumerate(out):
+        for d in out:
             rid = d.request.request_id
             assert rid not in self.running and rid not in self.finished
             self.running[rid] = self.now
-            self.worker[rid] = f"w{i % 2}"
+            self.worker[rid] = wid
             assert self.s.on_started(rid, self.now)
 
     def advance(self, dt: float) -> None:
@@ -152,7 +155,7 @@ class Fleet:
         del self.running[rid]
         self.done_tokens[rid] = tokens
         self.preemptions[rid] += 1
-        cont = self.s.preempted(rid, tokens, self.now)
+        cont = self.s.preempted(rid, tokens, self.now, worker_id=self.worker[rid])
         assert cont is not None and cont.num_preemptions == self.preemptions[rid]
         assert self.preemptions[rid] <= self.s.config.preemption.max_per_request
         self.fill()
