@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 
 import structlog
@@ -40,6 +41,16 @@ async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> int:
         except Stopped:
             log.info("stopped_during_start")
             return 0
+        except Exception as exc:
+            # NATS answered but could not serve yet (a timeout or 503 while a cluster
+            # elects a stream leader): try again as a fresh standby instead of exiting,
+            # which under `fairlane up` would stop the fleet.
+            log.warning("start_failed_retrying", error=repr(exc))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(dispatcher.stop(), settings.stop_timeout_s)
+            await asyncio.sleep(1.0)
+            dispatcher = _build(settings)
+            continue
         # A leader that loses its lease (partitioned, NATS gone past the TTL) has
         # already stopped dispatching. It does not exit (nothing may restart it, as
         # under `fairlane up`): it drops its state and rejoins as a standby, which

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import structlog
+from nats.js.errors import KeyWrongLastSequenceError
 
 from fairlane.runtime import cancel_and_wait
 
@@ -171,11 +172,16 @@ class LeaderLease:
                     self._kv.update(self.key, self.holder.encode(), last=m.revision),
                     timeout=m.renew_every_ms / 1000)
                 m.renewed(rev, sent)
-            except TimeoutError:
-                pass  # keep trying until the fence deadline
-            except Exception as e:  # wrong last revision: someone else holds it
+            except KeyWrongLastSequenceError as e:  # the key moved: someone else holds it
                 log.warning("lease_lost", key=self.key, epoch=m.epoch, error=str(e))
                 m.lost()
+            except Exception as e:
+                # Not an answer about the key: a timeout, no stream leader for a moment (a
+                # NATS cluster node died and the bucket elects another), a reconnect. Keep
+                # trying until the fence deadline: fencing is by time, so this is safe.
+                log.info("lease_renew_failed", key=self.key, epoch=m.epoch, error=repr(e))
+                # "No responders" comes back at once: pace the retries.
+                await asyncio.sleep(min(0.1, m.renew_every_ms / 1000))
         elif not was_leader:
             # A delete marker: the last leader released the lease (a graceful stop);
             # an expired or absent key: it crashed, or there was none.

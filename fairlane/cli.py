@@ -46,6 +46,7 @@ from fairlane.settings import PositiveInt, load_settings
 from fairlane.subjects import Subjects
 
 DEMO_TENANTS = Path(__file__).with_name("demo_tenants.yaml")
+MAX_NODE_RESTARTS = 5  # per NATS node of a cluster, over one `fairlane up`
 
 
 class UpSettings(msgspec.Struct, kw_only=True):
@@ -84,6 +85,7 @@ class Fleet:
         self.data_dir = Path(s.data_dir).resolve()
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.nats: NatsCluster | None = None
+        self.node_restarts: dict[str, int] = {}
         self.redis: RedisServer | None = None
         # Wraps each spawn: `cmd_up` defers stop signals there (see `_StopSignals`).
         self.hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -182,6 +184,24 @@ class Fleet:
                 line = _last_line(self.data_dir / "logs" / f"{name}.log")
                 out.append(f"{name} (exit {p.returncode})" + (f": {line}" if line else ""))
         return out
+
+    def revive_nats_nodes(self) -> None:
+        """In a cluster, a node that died is restarted (same ports and store: it catches
+        up from its peers) instead of stopping the fleet, which kept serving through
+        the others. A node dying again and again (MAX_NODE_RESTARTS) stops the fleet."""
+        if self.nats is None or self.nats.size == 1:
+            return
+        for node in self.nats.nodes:
+            if node.proc is None or node.proc.poll() is None:
+                continue
+            name = self.nats.log_name(node.server_name)
+            if self.node_restarts.get(name, 0) >= MAX_NODE_RESTARTS:
+                continue  # left dead: dead_children reports it
+            self.node_restarts[name] = self.node_restarts.get(name, 0) + 1
+            print(f"{name} exited (code {node.proc.returncode}); restarting it "
+                  f"({self.node_restarts[name]}/{MAX_NODE_RESTARTS})", file=sys.stderr, flush=True)
+            with contextlib.suppress(EmbeddedServerError), self.hold():
+                self.nats.start_node(node.server_name)
 
     def check_alive(self) -> None:
         """RuntimeError with each dead child's own last words, if any has exited."""
@@ -326,7 +346,10 @@ def cmd_up(argv: list[str]) -> int:
         fleet.start()
         asyncio.run(_wait_ready(fleet, s.ready_timeout_s))
         _print_ready(fleet)
-        while not (dead := fleet.dead_children()):
+        while True:
+            fleet.revive_nats_nodes()
+            if dead := fleet.dead_children():
+                break
             time.sleep(0.2)
         print("stopping: a process exited: " + "; ".join(dead), file=sys.stderr, flush=True)
         rc = 1

@@ -41,7 +41,13 @@ class NatsCluster:
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError("a cluster has at least one node")
-        route_ports = [free_port() for _ in range(self.size)]
+        # Every port up front and distinct: a port picked for a node not yet started is
+        # not bound, so the kernel could hand it out again to an earlier node.
+        taken = {self.client_port} if self.client_port else set()
+        ports = _distinct_free_ports(3 * self.size, taken)
+        route_ports = ports[:self.size]
+        client_ports = ports[self.size:2 * self.size]
+        monitor_ports = ports[2 * self.size:]
         routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
         single = self.size == 1  # a plain server: the store and log a single node always had
         for i in range(self.size):
@@ -54,7 +60,8 @@ class NatsCluster:
             self.nodes.append(NatsServer(
                 store_dir=self.base_dir if single else str(Path(self.base_dir) / name),
                 log_file=log,
-                port=self.client_port if (i == 0 and self.client_port) else free_port(),
+                port=self.client_port if (i == 0 and self.client_port) else client_ports[i],
+                monitor_port=monitor_ports[i],
                 auth_conf=self.auth_conf, tls=self.tls, server_name="" if single else name,
                 extra_args=cluster_args))
 
@@ -106,6 +113,16 @@ class NatsCluster:
     def stop(self) -> None:
         for n in self.nodes:
             n.stop()
+
+
+def _distinct_free_ports(n: int, taken: set[int]) -> list[int]:
+    out: list[int] = []
+    while len(out) < n:
+        p = free_port()
+        if p not in taken:
+            taken.add(p)
+            out.append(p)
+    return out
 
 
 def healthy(node: NatsServer) -> bool:

@@ -27,7 +27,7 @@ from tests.chaos.scenario_base import (
     Scenario,
     _check,
 )
-from tests.chaos.scenarios_cluster import NatsFollowerKill, NatsLeaderKill
+from tests.chaos.scenarios_cluster import NatsFollowerKill, NatsLeaderKill, NatsLeaseLeaderKill
 from tests.chaos.scenarios_dispatch import (
     DispatcherCrashLoop,
     DuplicateWithoutMsgId,
@@ -246,7 +246,7 @@ class RetryAfterWorkerLost(Scenario):
 SCENARIOS: dict[str, type[Scenario]] = {c.name: c for c in (
     WorkerRestart, NatsRestart, NatsDown5s, WorkerStall, ClientClose, RetryAfterWorkerLost,
     DuplicateWithoutMsgId, UnknownTierAndPool, TwoDispatchers, DispatcherCrashLoop,
-    LeaderKill, LeaderGraceful, NatsLeaderKill, NatsFollowerKill)}
+    LeaderKill, LeaderGraceful, NatsLeaderKill, NatsLeaseLeaderKill, NatsFollowerKill)}
 
 
 async def run_scenario(name: str, params: Params, workdir: Path) -> dict[str, Any]:
