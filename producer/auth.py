@@ -9,16 +9,20 @@ service user and keeps nats-py's inbox under ``_INBOX.<user>``.
 
 nats-py reports a refused publish only to the error callback, so a refused
 JetStream publish would end as a timeout; `guard_publish` turns it into a
-`RequestError` (code ``unauthorized``) naming the refused subject, at once.
+`RequestError` (code ``unauthorized``) naming the refused subject, at once, and
+rides out a cluster's stream-leader election.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
+import structlog
 from nats.aio.client import Client as NatsClient
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from fairlane.errors import ErrorCode
 from fairlane.natsconn import (
@@ -32,6 +36,10 @@ from fairlane.natsconn import (
 from fairlane.runtime import log_nats_error
 from fairlane.subjects import Subjects
 from producer.stream import RequestError
+
+log = structlog.get_logger(__name__)
+# How long a publish is re-sent while its stream has no leader (a cluster's election).
+FAILOVER_RETRY_S = 10.0
 
 
 async def open_connection(nats_url: str, *, prefix: str = "fl", tenant: str | None = None,
@@ -78,13 +86,25 @@ def denied_error(exc: PermissionDenied) -> RequestError:
                         f"(its credentials do not allow it): {exc}", ErrorCode.UNAUTHORIZED)
 
 
-async def guard_publish(nc: NatsClient, subject: str, aw: Awaitable[Any]) -> Any:
-    """Await a publish (e.g. JetStream's, which waits for its PubAck); raise
-    `RequestError` (unauthorized) as soon as the server refuses it."""
+async def guard_publish(nc: NatsClient, subject: str,
+                        publish: Callable[[], Awaitable[Any]]) -> Any:
+    """Run `publish()` (JetStream's, which waits for its PubAck); raise `RequestError`
+    (unauthorized) as soon as the server refuses it.
+
+    In a NATS cluster, while the stream elects a new leader (a node died: ~2-4 s) the
+    publish gets "no responders": nobody stored it, so it is sent again (same message
+    id, so idempotent anyway) for up to `FAILOVER_RETRY_S`."""
     watch = permission_watch(nc)
-    if watch is None:  # a connection made elsewhere: a refusal ends as a timeout
-        return await aw
-    try:
-        return await watch.guard("publish", subject, aw)
-    except PermissionDenied as exc:
-        raise denied_error(exc) from None
+    deadline = asyncio.get_running_loop().time() + FAILOVER_RETRY_S
+    while True:
+        try:
+            if watch is None:  # a connection made elsewhere: a refusal ends as a timeout
+                return await publish()
+            return await watch.guard("publish", subject, publish())
+        except PermissionDenied as exc:
+            raise denied_error(exc) from None
+        except (NoStreamResponseError, ServiceUnavailableError):
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            log.info("publish_no_stream_leader_retrying", subject=subject)
+            await asyncio.sleep(0.25)

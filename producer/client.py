@@ -387,7 +387,7 @@ class FairlaneClient(SilenceWatch):
         try:
             # Bounded: every duplicate answer either attaches, fails or moves on.
             for _ in range(4):
-                ack = await guard_publish(self.nc, subject, self.js.publish(
+                ack = await guard_publish(self.nc, subject, lambda: self.js.publish(
                     subject, encode(req), headers={
                         "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
                         # Lets the dispatcher answer even if the body arrives unreadable.
