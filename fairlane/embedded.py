@@ -144,6 +144,7 @@ class NatsServer:
     tls: TlsFiles | None = None
     server_name: str = ""  # required by JetStream in a cluster (see fairlane.natscluster)
     extra_args: list[str] = field(default_factory=list)  # e.g. the cluster's routes
+    extra_conf: list[str] = field(default_factory=list)  # configuration lines, e.g. `cluster {...}`
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -172,7 +173,7 @@ class NatsServer:
         if self.server_name:
             args += ["--server_name", self.server_name]
         args += self.extra_args
-        if self.auth_conf or self.tls:
+        if self.auth_conf or self.tls or self.extra_conf:
             args += ["-c", self._write_config()]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True,
@@ -193,6 +194,7 @@ class NatsServer:
             lines.append("tls " + json.dumps({"cert_file": self.tls.cert_file,
                                               "key_file": self.tls.key_file,
                                               "ca_file": self.tls.ca_file, "timeout": 2}))
+        lines += self.extra_conf
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return str(path)
 

@@ -6,6 +6,8 @@ For `fairlane up --nats-cluster 3` and the cluster chaos tests. Every node liste
 `start` returns once every node reports healthy (JetStream's meta group has a
 leader), so streams can be created right after. A node killed with `kill_node`
 restarts on the same ports and store with `start_node` and catches up from its peers.
+With `tls`, clients must speak TLS and the routes do too, each node verifying its
+peers' certificates against the CA (mutual TLS: only the cluster's nodes may join).
 """
 
 from __future__ import annotations
@@ -54,16 +56,23 @@ class NatsCluster:
             name = f"n{i + 1}"
             log = (str(Path(self.log_dir) / f"{self.log_name(name)}.log")
                    if self.log_dir else None)
-            cluster_args = [] if single else [
+            cluster_args = [] if single or self.tls else [
                 "--cluster_name", CLUSTER_NAME,
                 "--cluster", f"nats://127.0.0.1:{route_ports[i]}", "--routes", routes]
+            # With TLS, routes speak it too, and verify each other's certificate (signed
+            # by the same CA): only the cluster's own nodes can join it.
+            cluster_conf = [] if single or not self.tls else ["cluster " + json.dumps({
+                "name": CLUSTER_NAME, "listen": f"127.0.0.1:{route_ports[i]}",
+                "routes": routes.split(","),
+                "tls": {"cert_file": self.tls.cert_file, "key_file": self.tls.key_file,
+                        "ca_file": self.tls.ca_file, "verify": True, "timeout": 2}})]
             self.nodes.append(NatsServer(
                 store_dir=self.base_dir if single else str(Path(self.base_dir) / name),
                 log_file=log,
                 port=self.client_port if (i == 0 and self.client_port) else client_ports[i],
                 monitor_port=monitor_ports[i],
                 auth_conf=self.auth_conf, tls=self.tls, server_name="" if single else name,
-                extra_args=cluster_args))
+                extra_args=cluster_args, extra_conf=cluster_conf))
 
     def log_name(self, server_name: str) -> str:
         """The node's name in logs and messages: ``nats-server`` alone, else

@@ -65,3 +65,40 @@ async def test_client_that_does_not_trust_the_ca_is_refused(tls_server):
         await nats.connect(server.url, user="alpha", password=pw["alpha"],
                            tls=ssl.create_default_context(), allow_reconnect=False,
                            max_reconnect_attempts=0, connect_timeout=3)
+
+
+async def test_a_cluster_routes_over_mutual_tls(tmp_path):
+    """Three nodes whose routes speak TLS and verify each other's certificate: the
+    cluster forms (R3 stream, every replica current), and a route port asks for TLS."""
+    from fairlane.natsauth import service_user
+    from fairlane.natscluster import NatsCluster
+
+    tls = make_tls_files(tmp_path / "tls")
+    passwords = write_nats_auth(["alpha"], tmp_path / "auth", "fl")
+    cluster = NatsCluster(3, str(tmp_path / "nats"), log_dir=str(tmp_path), tls=tls,
+                          auth_conf=str(tmp_path / "auth" / "auth.conf"))
+    try:
+        cluster.start()
+        admin = service_user("admin")
+        nc = await nats.connect(cluster.urls[1:], user=admin, password=passwords[admin],
+                                tls=ssl.create_default_context(cafile=tls.ca_file))
+        js = nc.jetstream()
+        from nats.js.api import StreamConfig
+
+        await js.add_stream(StreamConfig(name="TLS_R3", subjects=["tlsr3.>"], num_replicas=3))
+        await js.publish("tlsr3.x", b"1")
+        info = await js.stream_info("TLS_R3")
+        assert info.cluster.leader and len(info.cluster.replicas) == 2
+        await nc.close()
+        route_port = int(json.loads(
+            (tmp_path / "nats" / "n1" / "server.conf").read_text().split("cluster ", 1)[1]
+            .splitlines()[0])["listen"].rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", route_port)
+        # A plaintext peer gets either an INFO that demands TLS or no INFO at all (the
+        # route waits for a TLS handshake and times the peer out).
+        info_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        if info_line:
+            assert json.loads(info_line.split(b" ", 1)[1])["tls_required"] is True
+    finally:
+        cluster.stop()
