@@ -148,7 +148,7 @@ async def _connect(s: ProducerSettings) -> nats.NATS:
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         cause = failures[-1] if failures else exc
         who = f" as user {s.nats_user!r}" if s.nats_user else ""
-        raise ConnectionError(f"cannot connect to NATS at {s.nats_url}{who}: {cause}") from None
+        raise ConnectionError(f"cannot reach NATS at {s.nats_url}{who}: {cause}") from None
     holder.append(nc)
     return nc
 

@@ -66,6 +66,20 @@ def test_fairlane_up_with_its_nats_port_taken_fails_naming_the_port(tmp_path):
 
 
 def test_fairlane_up_reports_a_child_dying_at_start_with_its_own_words(tmp_path):
+    # --no-auth: with NATS auth on, `up` reads the tenants file itself (one NATS user
+    # per tenant) and stops before any child starts (the next test).
+    r = subprocess.run(
+        [sys.executable, "-m", "fairlane.cli", "up", "--data-dir", str(tmp_path / "fl"),
+         "--nats-port", "0", "--http-port", "0", "--no-redis", "--no-streamer", "--no-auth",
+         "--tenants-file", str(tmp_path / "missing.yaml")],
+        capture_output=True, text=True, timeout=50)
+    assert r.returncode == 1
+    assert "fairlane is up" not in r.stdout
+    assert "dispatcher (exit 2): dispatcher: error:" in r.stderr
+    assert "missing.yaml: cannot read" in r.stderr
+
+
+def test_fairlane_up_with_auth_and_a_missing_tenants_file_says_so_in_one_line(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "fairlane.cli", "up", "--data-dir", str(tmp_path / "fl"),
          "--nats-port", "0", "--http-port", "0", "--no-redis", "--no-streamer",
@@ -73,7 +87,7 @@ def test_fairlane_up_reports_a_child_dying_at_start_with_its_own_words(tmp_path)
         capture_output=True, text=True, timeout=50)
     assert r.returncode == 1
     assert "fairlane is up" not in r.stdout
-    assert "dispatcher (exit 2): dispatcher: error:" in r.stderr
+    assert r.stderr.splitlines()[0].startswith("fairlane up failed: ")
     assert "missing.yaml: cannot read" in r.stderr
 
 
