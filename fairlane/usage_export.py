@@ -38,6 +38,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from fairlane.natsconn import connect_options, server_urls
 from fairlane.protocol import ID_PATTERN, ProtocolError, Usage, decode_usage
 from fairlane.runtime import now_ms
 from fairlane.subjects import DEFAULT_PREFIX, Subjects
@@ -70,6 +71,11 @@ class UsageQuery:
     nats_url: str = DEFAULT_NATS_URL
     prefix: str = DEFAULT_PREFIX
     connect_timeout_s: float = 5.0
+    # With NATS auth on: an operator's user (fairlane nats-config's svc-admin) may read it.
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_password_file: str = ""
+    nats_tls_ca_file: str = ""
 
 
 class UsageArgsError(ValueError):
@@ -251,7 +257,7 @@ async def _oldest_kept_ms(js: JetStreamContext, subjects: Subjects, first_seq: i
         return None
 
 
-async def connect(nats_url: str, timeout_s: float) -> nats.NATS:
+async def connect(nats_url: str, timeout_s: float, s: UsageQuery | None = None) -> nats.NATS:
     """NATS, or UsageReadError naming the URL: a CLI gives up where a service waits."""
     failures: list[Exception] = []
 
@@ -260,8 +266,9 @@ async def connect(nats_url: str, timeout_s: float) -> nats.NATS:
 
     nc = nats.NATS()
     try:
+        login = connect_options(s) if s is not None else {"servers": server_urls(nats_url)}
         await asyncio.wait_for(nc.connect(
-            nats_url, name="fairlane-usage", connect_timeout=timeout_s, allow_reconnect=False,
+            **login, name="fairlane-usage", connect_timeout=timeout_s, allow_reconnect=False,
             max_reconnect_attempts=0, error_cb=on_error), timeout_s + 1)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         cause = failures[-1] if failures else exc
@@ -271,7 +278,7 @@ async def connect(nats_url: str, timeout_s: float) -> nats.NATS:
 
 
 async def export(s: UsageQuery, since_ms: int, until_ms: int) -> UsageReport:
-    nc = await connect(s.nats_url, s.connect_timeout_s)
+    nc = await connect(s.nats_url, s.connect_timeout_s, s)
     try:
         return await read_usage(nc.jetstream(), Subjects(s.prefix), since_ms, until_ms,
                                 tenant=s.tenant or None, pool=s.pool or None)
@@ -341,6 +348,14 @@ def _parser() -> argparse.ArgumentParser:
                         f"default {DEFAULT_PREFIX}].")
     p.add_argument("--connect-timeout-s", type=float, default=5.0,
                    help="Give up on NATS after this many seconds. Default: 5.")
+    p.add_argument("--nats-user", default=env.get("FAIRLANE_NATS_USER", ""),
+                   help="NATS user, with auth on (svc-admin) [env FAIRLANE_NATS_USER].")
+    p.add_argument("--nats-password-file", default=env.get("FAIRLANE_NATS_PASSWORD_FILE", ""),
+                   help="File whose first line is its password (or env FAIRLANE_NATS_PASSWORD) "
+                        "[env FAIRLANE_NATS_PASSWORD_FILE].")
+    p.add_argument("--nats-tls-ca-file", default=env.get("FAIRLANE_NATS_TLS_CA_FILE", ""),
+                   help="CA that signed the NATS server's certificate: connect with TLS "
+                        "[env FAIRLANE_NATS_TLS_CA_FILE].")
     return p
 
 
@@ -363,7 +378,10 @@ def parse_args(argv: list[str]) -> UsageQuery:
     ns = _parser().parse_args(_glue_dash_values(argv))
     return UsageQuery(since=ns.since, until=ns.until, tenant=ns.tenant, pool=ns.pool,
                       format=ns.format, nats_url=ns.nats_url, prefix=ns.prefix,
-                      connect_timeout_s=ns.connect_timeout_s)
+                      connect_timeout_s=ns.connect_timeout_s, nats_user=ns.nats_user,
+                      nats_password=os.environ.get("FAIRLANE_NATS_PASSWORD", ""),
+                      nats_password_file=ns.nats_password_file,
+                      nats_tls_ca_file=ns.nats_tls_ca_file)
 
 
 def cmd_usage(argv: list[str]) -> int:

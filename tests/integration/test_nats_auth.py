@@ -285,3 +285,29 @@ async def test_reply_subject_outside_the_tenants_inbox_is_refused(auth, fleet):
     finally:
         for c in (watcher, alpha, admin):
             await c.close()
+
+
+async def test_usage_export_logs_in_as_the_operator_and_a_tenant_may_not(auth, fleet):
+    server, subjects, pw = auth
+    alpha = await _client(auth, "alpha")
+    try:
+        await (await alpha.submit(_long("alpha", 3))).collect()
+    finally:
+        await alpha.close()
+
+    def usage(user: str):
+        import os
+        import subprocess
+        import sys
+
+        return subprocess.run(
+            [sys.executable, "-m", "fairlane.cli", "usage", "--since", "-1h", "--format", "json",
+             "--nats-url", server.url, "--prefix", subjects.prefix, "--nats-user", user],
+            env={**os.environ, "FAIRLANE_NATS_PASSWORD": pw[user]}, capture_output=True,
+            text=True, timeout=30)
+
+    ok = await asyncio.to_thread(usage, service_user("admin"))
+    assert ok.returncode == 0, ok.stderr
+    assert "alpha" in ok.stdout
+    refused = await asyncio.to_thread(usage, "alpha")  # a tenant may not read FL_USAGE
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
