@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from fairlane.logs import LogLevel
-from fairlane.settings import PositiveInt
+from fairlane.settings import PositiveFloat, PositiveInt
 from fairlane.streams import StreamSettings
 
 
@@ -42,6 +42,12 @@ class WorkerSettings(StreamSettings, kw_only=True):
     max_model_len: int = 4096  # 0: unset (vLLM: the model's own; simulator: KV size)
     log_level: LogLevel = "info"  # least severe log level written
     log_json: bool = True  # JSON log lines (else human-readable)
+    metrics_port: int = 0  # port of the Prometheus /metrics endpoint; 0 = none
+    metrics_host: str = "127.0.0.1"  # /metrics address: 0.0.0.0 in a container
+    # Bounds the tenant label's values on /metrics (see gpu_worker.metrics): beyond this
+    # many, tenants are counted as tenant="_other"; an idle tenant's series are removed.
+    metrics_max_tenants: Annotated[int, msgspec.Meta(ge=0)] = 1000  # most tenants with a /metrics label of their own
+    metrics_tenant_idle_s: PositiveFloat = 600.0  # a tenant idle this long loses its /metrics series
 
     # Simulator (engine="sim").
     step_model: str = "default"  # step-time model: name in gpu_worker/sim/step_models or a .json path

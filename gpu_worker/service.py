@@ -50,6 +50,7 @@ from gpu_worker.engine import Engine, EngineDead
 from gpu_worker.epoch import EpochGuard
 from gpu_worker.inflight import InFlight, mono_s
 from gpu_worker.lease import WorkerLease, new_incarnation
+from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.serving import RequestServing
 
 log = structlog.get_logger(__name__)
@@ -89,6 +90,7 @@ class Worker(RequestServing):
         self._lease = WorkerLease(settings.lease_timeout_ms,
                                   abandon_after_ms=settings.abandon_after_ms)
         self.num_fenced = 0
+        self.metrics = WorkerMetrics(settings)  # served by serve() with --metrics-port
         self.log = log.bind(worker_id=self.worker_id, pool=settings.pool)
 
     # --- lifecycle ----------------------------------------------------------------
@@ -377,6 +379,7 @@ class Worker(RequestServing):
         except EngineDead as exc:
             self._engine_died(str(exc))
             return
+        self.metrics.observe(load, self)
         live = [r for r in self._reqs.values() if not r.fenced]
         hb = Heartbeat(
             worker_id=self.worker_id,
@@ -436,7 +439,9 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
 
     try:
         engine = make_engine(settings)
-        return await Worker(settings, engine).run(stop)
+        worker = Worker(settings, engine)
+        worker.metrics.serve_http()  # --metrics-port 0: nothing
+        return await worker.run(stop)
     except Exception as exc:  # noqa: BLE001 - startup failures exit non-zero, logged
         log.exception("worker_failed", error=repr(exc), worker_id=settings.worker_id)
         return EXIT_FAILED

@@ -34,6 +34,7 @@ from gpu_worker.config import WorkerSettings
 from gpu_worker.engine import Engine, EngineDead, EngineError, GenerationDelta
 from gpu_worker.inflight import WAKE, InFlight, mono_s
 from gpu_worker.lease import WorkerLease
+from gpu_worker.metrics import WorkerMetrics
 
 USAGE_PUBLISH_ATTEMPTS = 5
 ACK_TIMEOUT_S = 1.0  # per attempt of the first-token JetStream ack
@@ -55,6 +56,7 @@ class RequestServing:
     _slot_event: asyncio.Event
     _lease: WorkerLease
     incarnation: str
+    metrics: WorkerMetrics
 
     def _engine_died(self, reason: str) -> None:
         raise NotImplementedError
@@ -303,9 +305,11 @@ class RequestServing:
             await self._nc.publish(self.subjects.events(self.s.pool), encode(evt))
         except Exception as exc:  # noqa: BLE001
             self.log.warning("event_publish_failed", event=type(evt).__name__, error=repr(exc))
+        self.metrics.on_event(evt, r)
         return True
 
     def _publish_usage(self, usage: Usage) -> None:
+        self.metrics.on_usage(usage)
         t = asyncio.create_task(self._publish_usage_now(usage))
         self._background.add(t)
         t.add_done_callback(self._background.discard)
