@@ -69,6 +69,9 @@ class UpSettings(msgspec.Struct, kw_only=True):
     tenants_file: str = ""  # empty: the packaged demo file (demo API keys, see README)
     policy: Policy | None = None  # override the pool's policy from the tenants file
     redis: bool = True  # start a redis-server for the edge's rate limits
+    # The dispatcher and every worker serve /metrics on a free port each (the streamer
+    # on its HTTP port); the ready message lists the URLs. --no-metrics: they serve none.
+    metrics: bool = True  # serve every process's /metrics and print where
     streamer: bool = True  # start the HTTP/websocket edge
     ready_timeout_s: float = 120.0  # give up if the fleet is not ready by then
     log_level: LogLevel = "info"  # least severe log level the children write
@@ -87,6 +90,7 @@ class Fleet:
         self.nats: NatsCluster | None = None
         self.node_restarts: dict[str, int] = {}
         self.redis: RedisServer | None = None
+        self.metrics_urls: dict[str, str] = {}  # process name -> its /metrics URL
         # Wraps each spawn: `cmd_up` defers stop signals there (see `_StopSignals`).
         self.hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
@@ -118,6 +122,16 @@ class Fleet:
             )
             self.procs.append((name, proc))
         out.close()
+
+    def _metrics_args(self, name: str) -> list[str]:
+        """A child's --metrics-port (a free port of its own), noting its URL."""
+        if not self.s.metrics:
+            return []
+        taken = {int(u.rsplit(":", 1)[1].split("/")[0]) for u in self.metrics_urls.values()}
+        while (port := free_port()) in taken:
+            pass
+        self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+        return ["--metrics-port", str(port)]
 
     def start(self) -> None:
         s = self.s
@@ -153,7 +167,8 @@ class Fleet:
             disp += ["--tenants-file", s.tenants_file]
         if s.policy:
             disp += ["--policy", s.policy]
-        self._spawn("dispatcher", "dispatcher", disp, "dispatcher")
+        self._spawn("dispatcher", "dispatcher", disp + self._metrics_args("dispatcher"),
+                    "dispatcher")
         for i in range(s.workers):
             args = [*common, "--worker-id", f"worker-{i}", "--engine", s.engine,
                     "--max-num-seqs", str(s.max_num_seqs)]
@@ -161,6 +176,7 @@ class Fleet:
                 args += ["--time-scale", str(s.time_scale), "--step-model", s.step_model]
             if s.model:
                 args += ["--model", s.model]
+            args += self._metrics_args(f"worker-{i}")
             self._spawn(f"worker-{i}", "gpu_worker", args, "worker")
         if s.streamer and _have_module("streamer.__main__"):
             self.http_port = s.http_port or free_port()
@@ -170,6 +186,8 @@ class Fleet:
             if s.tenants_file:
                 args += ["--tenants-file", s.tenants_file]
             self._spawn("streamer", "streamer", args, "streamer")
+            if s.metrics:
+                self.metrics_urls["streamer"] = f"http://127.0.0.1:{self.http_port}/metrics"
 
     def dead_children(self) -> list[str]:
         """``name (exit N): its last log line`` for each child that has exited, servers
@@ -379,6 +397,9 @@ def _print_ready(fleet: Fleet) -> None:
         port_line += (f"  NATS auth: on, users and passwords in {fleet.auth_dir} "
                       f"(--no-auth turns it off)\n")
         login = f"--nats-user acme --nats-password-file {fleet.password_file('acme')} "
+    if fleet.metrics_urls:  # one line per process, "name URL"
+        port_line += "  metrics:\n" + "".join(
+            f"    {name:<11} {url}\n" for name, url in fleet.metrics_urls.items())
     print(
         f"fairlane is up: {s.workers} {s.engine} worker(s), pool {s.pool!r}\n"
         f"  NATS: {fleet.nats.url}\n{port_line}"
