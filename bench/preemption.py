@@ -42,7 +42,8 @@ prefetch no longer hides a full fleet from the preemption decision. `--prefetch-
 runs without prefetch.
 
 drr+preempt runs the pool defaults: a quiet tenant (running + queued within its fair
-share) preempts at once, a backlogged one after `preempt_after_ms` 200; the target is
+share) preempts at once, a backlogged one after being short for `preempt_after_ms`
+(2,000); the target is
 B's p99 <= 1.5x its p99 on an idle fleet (~20-30 ms), about one decode step of slack.
 The hysteresis (min_run_ms, default 1 s) and the rate cap (max_per_s, default 20) bound
 the cost. `--preempt-after-ms` sets the backlogged threshold (variant `drr+preempt@50`

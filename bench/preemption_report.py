@@ -163,7 +163,7 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
       + ("" if args.preempt_after_ms is None else f"preempt_after_ms: {args.preempt_after_ms:g}, ")
       + f"min_run_ms: {args.min_run_ms:g}, max_per_s: {args.max_per_s}}}` (other knobs: the "
       "pool defaults — a quiet tenant, whose running + queued requests fit in its share, "
-      "preempts at once; a backlogged one after `preempt_after_ms` 200)")
+      "preempts at once; a backlogged one once short for `preempt_after_ms` 2,000)")
     p(f"- repetitions: {args.reps} (order {', '.join(args.variants.split(','))} then "
       f"reversed, alternating); alone references measured in the first {args.alone_reps}; "
       f"probes every {args.probe_interval_s * 1000:g} ms for {args.probe_s:g} s (alone: "

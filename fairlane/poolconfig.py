@@ -74,10 +74,12 @@ class PreemptionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     """
 
     enabled: bool = True
-    # How long the head of a backlogged tenant (more demand than its share) waits for
-    # a slot to turn over before one is preempted for it: it waits behind its own queue
-    # anyway, and turnover usually serves it within this.
-    preempt_after_ms: float = 200.0
+    # How long a backlogged tenant (more demand than its share) must have been short of
+    # its share by a whole slot before a slot is preempted for it: its head waits behind
+    # its own queue anyway, and turnover makes up such shortfalls within a few hundred
+    # ms at LLM lengths; preempting sooner only burns recompute and, measured, skews
+    # the weighted shares (bench/preemption.py, backlogged 1:2:4).
+    preempt_after_ms: float = 2_000.0
     # The same for a quiet tenant (running + queued within its fair share): fair
     # queueing promises it no wait, so by default it preempts at once.
     quiet_preempt_after_ms: float = 0.0

@@ -10,7 +10,7 @@ One YAML (``.yaml``/``.yml``) or TOML (``.toml``) file, chosen by extension::
         policy: drr
         cost_model: tokens
         quantum: 4096
-        preemption: {preempt_after_ms: 200, min_run_ms: 1000, max_per_s: 20}  # optional
+        preemption: {preempt_after_ms: 2000, min_run_ms: 1000, max_per_s: 20}  # optional
     tenants:
       acme:
         tier: enterprise

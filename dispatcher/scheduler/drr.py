@@ -199,13 +199,28 @@ class _TurnGatedShares(SlotShares):
             return False
         if not any(o.queue for o in self._ring if o is not st):
             return True  # alone with work in its tier: DRR's next pick whatever its credit
-        credit = st.credit
-        # Its next quantum comes with its next turn: now if it is not in one. A quiet
-        # tenant (its whole demand fits in its share) may spend its next turn's
+        if not waiter.quiet:
+            # A backlogged tenant: only in its turn (its head fits its credit, with the
+            # quantum a new turn adds), and only if DRR would serve it first among the
+            # tenants a freed slot could go to (those short of their share, in ring
+            # order): preemption then takes turns in DRR's order, never ahead of it.
+            return self._first_fit(self.standings) is st
+        # A quiet tenant (its whole demand fits in its share) may spend its next turn's
         # quantum early: with every slot held by a flood, DRR's round advances only as
         # slots turn over, and a tenant that asks for less than its share should not
         # wait for the round to come back. It goes at most one turn into debt, which
         # its next turn repays, so DRR's bound widens by one quantum at most.
-        if not st.in_turn or waiter.quiet:
-            credit += self._quantum * st.weight
+        credit = st.credit + self._quantum * st.weight
         return estimate_cost(self._model, waiter.head) <= credit + _EPS
+
+    def _first_fit(self, standings: dict[str, Standing]) -> TenantState | None:
+        """The first short tenant in ring order whose head fits its turn's credit."""
+        for st in self._ring:
+            s = standings.get(st.tenant)
+            head = st.queue.peek()
+            if head is None or s is None or not SlotShares.owed(self, s):
+                continue
+            credit = st.credit + (0.0 if st.in_turn else self._quantum * st.weight)
+            if estimate_cost(self._model, head) <= credit + _EPS:
+                return st
+        return None

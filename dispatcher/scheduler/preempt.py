@@ -11,10 +11,11 @@ requeues it as a continuation charged only for new work.
   how many pulled slots wait for work); a tenant short of its fair share by a whole
   slot, and owed service by the policy's own accounts (its DRR turn, VTC's lowest
   counter: `Policy.fair_shares`), has a queued request within its quotas that has
-  waited at least `preempt_after_ms` — `quiet_preempt_after_ms` (default 0) for a
-  quiet tenant, whose running + queued requests fit in its share: fair queueing
-  promises it no wait, while a backlogged tenant waits behind its own queue anyway and
-  turnover usually serves it first (preempting for it only burns recompute); fewer
+  waited `quiet_preempt_after_ms` (default 0) if the tenant is quiet — its running +
+  queued requests fit in its share: fair queueing promises it no wait — or, for a
+  backlogged tenant, that has been short for `preempt_after_ms` (2,000) on every
+  decision: its head waits behind its own queue anyway, and turnover usually makes up
+  the shortfall first (preempting for it then only burns recompute); fewer
   than `max_per_s` orders in the last
   second. So preemption never serves a tenant more than its policy would: it only
   stops that service from waiting for a slot to turn over.
@@ -94,6 +95,9 @@ class Preemptor:
         self.preempted: Counter[tuple[str, str]] = Counter()
         # (worker, tier, tenant) -> queued continuations preempted on that worker.
         self._homed: dict[tuple[str, str, str], list[QueuedRequest]] = {}
+        # (view, tier index, tenant) -> since when it has been short of its share by a
+        # whole slot, every decision since seeing it so (a backlogged tenant's clock).
+        self.short_since: dict[tuple[str, int, str], float] = {}
 
     # --- hooks the core calls --------------------------------------------------------------
 
@@ -145,6 +149,7 @@ class Preemptor:
                worker_of: WorkerOf) -> list[PreemptionOrder]:
         cfg = core.config.preemption
         if not cfg.enabled or num_free_slots > 0 or not core.num_queued:
+            self.short_since.clear()  # a slot is free: nobody is kept short by a full fleet
             return []
         times = self._order_times_ms
         while times and times[0] <= now_ms - WINDOW_MS:
@@ -177,6 +182,7 @@ class _Decision:
     def __init__(self, core: Scheduler, pre: Preemptor, cfg: PreemptionConfig, now_ms: float,
                  worker_of: WorkerOf) -> None:
         self.core, self.cfg, self.now_ms, self.worker_of = core, cfg, now_ms, worker_of
+        self.short_since = pre.short_since
         self.tiers = core.tiers
         self.running: dict[int, Counter[str]] = {}
         self.victims: dict[tuple[int, str], list[InFlight]] = {}
@@ -247,7 +253,8 @@ class _Decision:
             # are `_borrowed`'s to keep), so a tenant whose demand fits is quiet.
             higher = sum(sum(self._run(k).values()) for k in range(i))
             waiters = self._waiters(i, self._shares(
-                i, extra_slots=max(1, self.total - higher - sum(self._run(i).values()))))
+                i, extra_slots=max(1, self.total - higher - sum(self._run(i).values()))),
+                "reclaim")
             if not waiters:
                 return None
             lower = self._shares(j).standings.values()
@@ -261,7 +268,7 @@ class _Decision:
 
     def _within_tier(self, i: int) -> PreemptionOrder | None:
         view = self._shares(i)
-        waiters = self._waiters(i, view)
+        waiters = self._waiters(i, view, "tier")
         if not waiters:
             return None
         over = sorted((s for s in view.standings.values() if s.excess > _EPS),
@@ -274,15 +281,31 @@ class _Decision:
                         return order
         return None
 
-    def _waiters(self, i: int, view: FairShares) -> list[Standing]:
+    def _waiters(self, i: int, view: FairShares, kind: str) -> list[Standing]:
         """Tenants of tier i short of their share by a whole slot whose head may claim
-        one now, most under first (then the longest waiting)."""
+        one now, most under first (then the longest waiting). A quiet tenant's head
+        waits `quiet_preempt_after_ms`; a backlogged tenant must have been short for
+        `preempt_after_ms` (its head waits behind its own queue, so its wait says
+        nothing; being short that long says turnover is not making up the shortfall)."""
         out = []
+        short = self.short_since
+        for key in [k for k in short if k[0] == kind and k[1] == i
+                    and k[2] not in view.standings]:
+            del short[key]  # no demand in this tier any more
         for s in view.standings.values():
+            key = (kind, i, s.tenant)
+            if s.num_running + 1 > s.share + _EPS:
+                short.pop(key, None)
+                continue
+            since = short.setdefault(key, self.now_ms)
             head = s.head
-            after_ms = self.cfg.quiet_preempt_after_ms if s.quiet else self.cfg.preempt_after_ms
+            if s.quiet:
+                waited_ms, after_ms = self.now_ms - head.enqueued_ms if head else 0.0, \
+                    self.cfg.quiet_preempt_after_ms
+            else:
+                waited_ms, after_ms = self.now_ms - since, self.cfg.preempt_after_ms
             if (head is None or not view.owed(s) or (i, s.tenant) in self.busy
-                    or self.now_ms - head.enqueued_ms < after_ms
+                    or waited_ms < after_ms
                     or not self.core.within_quota(s.tenant, head.kv_tokens)):
                 continue
             out.append(s)
@@ -291,14 +314,17 @@ class _Decision:
 
     def _take(self, j: int, tenant: str, i: int, waiter: Standing) -> PreemptionOrder | None:
         """Order the preemption of `tenant`'s (tier j) best victim for `waiter` (tier i)."""
-        best: tuple[tuple[int, float, int], InFlight, str] | None = None
+        best: tuple[tuple[bool, int, float, int], InFlight, str] | None = None
         candidates = self.victims.get((j, tenant), ())
+        # A waiter that is itself a continuation goes where its prefix cache is.
+        home = waiter.head.home_worker if waiter.head is not None else None
         for f in candidates:
             worker = self.worker_of(f.request.request_id)
             if worker is None:
                 continue
             assert f.started_ms is not None
-            key = (f.request.num_preemptions, -f.started_ms, -f.request.seq)
+            key = (home is not None and worker != home, f.request.num_preemptions,
+                   -f.started_ms, -f.request.seq)
             if best is None or key < best[0]:
                 best = (key, f, worker)
         if best is None or waiter.head is None:

@@ -24,7 +24,8 @@ def cfg(policy: str = "drr", *, tenants: dict[str, TenantConfig] | None = None,
         quantum: float = 1.0, **pre) -> SchedulerConfig:
     # The scenarios below time one threshold; quiet tenants get their own only where
     # a test names it.
-    pre.setdefault("quiet_preempt_after_ms", pre.get("preempt_after_ms", 200.0))
+    pre.setdefault("preempt_after_ms", 200.0)
+    pre.setdefault("quiet_preempt_after_ms", pre["preempt_after_ms"])
     return SchedulerConfig(
         policy=policy, cost_model=cost_model, quantum=quantum, throttle_window_ms=0,
         tiers=tiers or [TierConfig("standard")], tenants=tenants or {},
@@ -239,9 +240,10 @@ def test_weights_set_the_shares():
     run(s, 4, 0)
     flood(s, "b", 5, 100)
     assert s.preemptions(5000, 0, worker_of) == []
-    # Equal weights: b is owed a slot.
+    # Equal weights: b is owed a slot; backlogged, it must stay short preempt_after_ms.
     s.update_config(cfg(tenants={"a": TenantConfig("a"), "b": TenantConfig("b")}))
-    (order,) = s.preemptions(5100, 0, worker_of)
+    assert s.preemptions(5100, 0, worker_of) == []
+    (order,) = s.preemptions(5300, 0, worker_of)
     assert (order.request.tenant, order.for_tenant) == ("a", "b")
 
 
@@ -316,7 +318,8 @@ def test_a_lower_tier_keeps_its_floor():
     flood(s, "e", 10, 0, tier="enterprise")
     run(s, 1, 0)
     flood(s, "e", 1, 100, tier="enterprise")
-    # free holds 3 of 4: one above its floor of 2.
+    # free holds 3 of 4: one above its floor of 2. e is backlogged: short 200 ms first.
+    assert s.preemptions(1800, 0, worker_of) == []
     (order,) = s.preemptions(2000, 0, worker_of)
     assert order.request_id == f_ids[2]
     s.preempted(f_ids[2], 1, 2000)
@@ -427,3 +430,24 @@ def test_a_homed_continuation_that_left_the_queue_is_forgotten():
     assert s.cancel(a_ids[1]) is not None  # the w2 one, cancelled while queued
     assert s.select(1, 100, worker_id="w2")[0].request.request_id == a_ids[0]
     assert not s.preemptor._homed
+
+
+def test_a_backlogged_tenant_preempts_only_after_being_short_for_preempt_after_ms():
+    """Heads of backlogged tenants always waited long (behind their own queues), so
+    the clock is how long the tenant has been short of its share: a shortfall that
+    turnover makes up within preempt_after_ms costs no preemption."""
+    s = Scheduler(cfg(preempt_after_ms=200, quiet_preempt_after_ms=0, min_run_ms=0))
+    flood(s, "a", 20, 0)
+    flood(s, "b", 20, 0)
+    ids = run(s, 4, 0)  # a and b: 2 slots each (their shares), both backlogged
+    b_ids = [r for r in ids if r.startswith("b")]
+    s.on_finished(b_ids[0], None, 1000)  # b's slot turns over ...
+    (d,) = s.select(1, 1000)  # ... DRR hands it to a: b is short by a whole slot
+    assert d.request.tenant == "a" and s.on_started(d.request.request_id, 1000)
+    assert s.preemptions(1000, 0, worker_of) == []
+    assert s.preemptions(1150, 0, worker_of) == []
+    (order,) = s.preemptions(1200, 0, worker_of)
+    assert order.for_tenant == "b" and order.request.tenant == "a"
+    # A free slot resets the clock: the next shortfall starts from zero.
+    s.preempted(order.request_id, 1, 1200)
+    assert s.preemptions(1300, 1, worker_of) == [] and not s.preemptor.short_since
