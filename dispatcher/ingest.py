@@ -118,20 +118,21 @@ class Ingest:
     async def nak_late_deliveries(self, subs: list) -> int:
         """Stopping: a pull request still open at the server (up to FETCH_WAIT_S) may
         deliver after the fetch loops stopped; nak what arrives, or it would wait out
-        ack_wait before the next leader gets it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + FETCH_WAIT_S + 0.05
+        ack_wait before the next leader gets it. No new pull request is made here (one
+        could deliver after we stopped looking, the race this closes): wait until the
+        open ones expired, then nak what they delivered into each subscription's
+        queue (nats-py keeps it unread in the underlying subscription)."""
+        await asyncio.sleep(FETCH_WAIT_S + 0.1)
         n = 0
-        while loop.time() < deadline:
-            for sub in subs:
-                try:
-                    msgs = await sub.fetch(self.settings.fetch_batch, timeout=0.05)
-                except Exception:  # nothing came (timeout), or the connection is gone
-                    continue
-                for msg in msgs:
-                    with contextlib.suppress(Exception):
-                        await msg.nak()
-                n += len(msgs)
+        for sub in subs:
+            queue = getattr(getattr(sub, "_sub", None), "_pending_queue", None)
+            while queue is not None and not queue.empty():
+                msg = queue.get_nowait()
+                if nats.js.JetStreamContext.is_status_msg(msg):
+                    continue  # a 408/404 ending a pull request, not a message
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+                n += 1
         return n
 
     def reply_scoped(self) -> bool:

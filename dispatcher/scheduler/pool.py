@@ -311,21 +311,28 @@ class PoolCore:
     def preemptions(self, now_ms: float, num_free_slots: int) -> list[Action]:
         """Running requests to stop now so that waiting requests below their tenants'
         fair share get the slots (none while a pulled slot waits for work)."""
-        orders = self.scheduler.preemptions(now_ms, num_free_slots, self._preemptible_on)
+        orders = self.scheduler.preemptions(
+            now_ms, num_free_slots, lambda rid: self._preemptible_on(rid, now_ms))
         out: list[Action] = []
         for o in orders:
             # The waiter goes with the order, to the worker whose slot it frees.
             d = self.scheduler.dispatch_held(o.for_request.request_id, now_ms)
             if d is not None:
-                self.workers.assign(d.request.request_id, o.worker_id, now_ms)
+                self.workers.assign(d.request.request_id, o.worker_id, now_ms, contact=False)
             out.append(Preempt(o.request, o.worker_id, o.for_request, d))
         return out
 
-    def _preemptible_on(self, request_id: str) -> str | None:
-        """The live worker running it, if any (a request being checked is not)."""
+    def _preemptible_on(self, request_id: str, now_ms: float) -> str | None:
+        """The live worker running it, if any (a request being checked is not, nor
+        one on a worker silent for two heartbeats: it may be stalled, and an order
+        there would strand the waiter sent with it until the worker is declared lost)."""
         if request_id in self._checking:
             return None
-        return self.workers.worker_of(request_id)
+        worker_id = self.workers.worker_of(request_id)
+        w = self.workers.workers.get(worker_id) if worker_id is not None else None
+        if w is None or now_ms - w.last_seen_ms > 2 * w.interval_ms:
+            return None
+        return worker_id
 
     def on_preempted(self, request_id: str, worker_id: str, num_generated_tokens: int,
                      now_ms: float, incarnation: str = "") -> list[Action]:

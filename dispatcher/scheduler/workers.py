@@ -86,8 +86,13 @@ class WorkerRegistry:
 
     # --- assignments -------------------------------------------------------------------
 
-    def assign(self, request_id: str, worker_id: str, now_ms: float) -> None:
-        self.seen(worker_id, now_ms).request_ids.add(request_id)
+    def assign(self, request_id: str, worker_id: str, now_ms: float, *,
+               contact: bool = True) -> None:
+        """`request_id` now runs on `worker_id`. `contact`: the worker asked for it (a
+        pull); False for work sent unasked (a preemption's replacement), which says
+        nothing about whether the worker is alive."""
+        w = self.workers.get(worker_id) if not contact else None
+        (w or self.seen(worker_id, now_ms)).request_ids.add(request_id)
         self._assigned[request_id] = _Assignment(worker_id, now_ms)
 
     def unassign(self, request_id: str) -> str | None:

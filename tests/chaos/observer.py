@@ -21,6 +21,7 @@ from fairlane.protocol import (
     Started,
     decode_chunk,
     decode_event,
+    decode_preempt,
     decode_request,
     decode_usage,
     decode_work_batch,
@@ -67,6 +68,8 @@ class Observer:
         await self.nc.subscribe(f"{PREFIX}.inbox.>", cb=self._on_chunk, **big)
         await self.nc.subscribe("_INBOX.>", cb=self._on_reply, **big)
         await self.nc.subscribe(self.subjects.requests_all(), cb=self._on_request, **big)
+        # A preemption order carries the waiting request it frees the slot for: a dispatch.
+        await self.nc.subscribe(self.subjects.preempt(self.pool), cb=self._on_preempt, **big)
         await self.nc.flush()
 
     async def close(self) -> None:
@@ -109,6 +112,13 @@ class Observer:
             r = decode_request(msg.data)
             self.published[r.request_id].append(
                 (now(), r.attempt, r.resume.next_seq if r.resume is not None else None))
+
+    async def _on_preempt(self, msg) -> None:
+        with contextlib.suppress(ProtocolError):
+            order = decode_preempt(msg.data)
+            if order.replacement is not None:
+                req = order.replacement.request
+                self.dispatched[req.request_id].append((now(), order.epoch, req.attempt))
 
     async def _on_reply(self, msg) -> None:
         if not msg.data.startswith(b'{"items":'):

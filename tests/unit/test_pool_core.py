@@ -369,3 +369,36 @@ def test_preemption_hands_the_waiter_to_the_victims_worker_with_the_order():
         ("CheckStarted", "b1")]
     (requeued,) = core.on_start_checked("b1", False, 2_600)
     assert isinstance(requeued, Requeued) and core.scheduler.is_queued("b1")
+
+
+def test_a_preemptions_replacement_does_not_keep_a_silent_worker_alive():
+    """Work sent to a worker with a preemption order is not contact from it: a stalled
+    worker is declared lost on time even while orders keep going to it."""
+    from dispatcher.scheduler.actions import Preempt
+    from fairlane.poolconfig import PreemptionConfig
+    core = _core(preemption=PreemptionConfig(min_run_ms=0))
+    for i in range(4):
+        core.submit(_req(f"a{i}", tenant="a"), 0)
+    core.on_pull("w1", 0, 0)
+    running = [d.request.request_id for d in core.select("w1", 2, 0)]
+    for rid in running:
+        core.on_started(rid, "w1", 1)
+    core.on_heartbeat("w1", running, 1_000, interval_ms=1_000)  # its last sign of life
+    core.submit(_req("b1", tenant="b"), 2_500)
+    assert any(isinstance(a, Preempt) for a in core.preemptions(2_500, 0))
+    lost = core.tick(1_000 + TIMEOUT_MS + 50)  # on time, order or not
+    assert any(isinstance(a, SendError) and a.code is ErrorCode.WORKER_LOST for a in lost)
+
+
+def test_no_preemption_order_goes_to_a_worker_silent_for_two_heartbeats():
+    from fairlane.poolconfig import PreemptionConfig
+    core = _core(preemption=PreemptionConfig(min_run_ms=0))
+    for i in range(4):
+        core.submit(_req(f"a{i}", tenant="a"), 0)
+    core.on_pull("w1", 0, 0)
+    running = [d.request.request_id for d in core.select("w1", 2, 0)]
+    for rid in running:
+        core.on_started(rid, "w1", 1)
+    core.on_heartbeat("w1", running, 1_000, interval_ms=1_000)
+    core.submit(_req("b1", tenant="b"), 3_100)
+    assert core.preemptions(3_100, 0) == []  # 2.1 s of silence: maybe stalled
