@@ -142,6 +142,9 @@ class PoolCore:
             return refuse(req, ErrorCode.DUPLICATE,
                           f"attempt {ended.attempt} of request {req.request_id} already "
                           f"{how}; submit attempt {ended.attempt + 1} to run it again")
+        # A new waiter: a decision that found nothing to do before it is stale now
+        # (its recheck pause would delay this request's preemption to the next event).
+        self.scheduler.preemptor.poke()
         return self._remember(self._admit(req, now_ms), now_ms)
 
     def _admit(self, req: QueuedRequest, now_ms: float) -> list[Action]:

@@ -139,6 +139,10 @@ class Preemptor:
         homed = self._homed.get((worker_id, picked.tier, picked.tenant))
         return homed[0] if homed else None
 
+    def poke(self) -> None:
+        """Something a decision depends on changed (a request arrived): decide anew."""
+        self._idle_until_ms = float("-inf")
+
     def on_left(self, request_id: str) -> None:
         """The request left in flight (finished, requeued, preempted, lost)."""
         self.pending.pop(request_id, None)

@@ -402,3 +402,21 @@ def test_no_preemption_order_goes_to_a_worker_silent_for_two_heartbeats():
     core.on_heartbeat("w1", running, 1_000, interval_ms=1_000)
     core.submit(_req("b1", tenant="b"), 3_100)
     assert core.preemptions(3_100, 0) == []  # 2.1 s of silence: maybe stalled
+
+
+def test_a_new_request_is_decided_at_once_despite_a_recent_empty_decision():
+    """A decision that found nothing pauses the next ones for recheck_ms; a request
+    arriving inside that pause must not wait for the next event to be preempted for."""
+    from dispatcher.scheduler.actions import Preempt
+    from fairlane.poolconfig import PreemptionConfig
+    core = _core(preemption=PreemptionConfig(min_run_ms=0))
+    for i in range(4):
+        core.submit(_req(f"a{i}", tenant="a"), 0)
+    core.on_pull("w1", 0, 0)
+    running = [d.request.request_id for d in core.select("w1", 2, 0)]
+    for rid in running:
+        core.on_started(rid, "w1", 1)
+    core.on_heartbeat("w1", running, 100, interval_ms=1_000)
+    assert core.preemptions(100, 0) == []  # a's own queue: nothing to do; pause 20 ms
+    core.submit(_req("b1", tenant="b"), 105)
+    assert any(isinstance(a, Preempt) for a in core.preemptions(105, 0))
