@@ -195,8 +195,9 @@ async def run(args) -> str:
                 span_s = time.monotonic() - t0
                 out["preemptions_per_s"] = (
                     r.dispatcher.scheduler.preemptor.num_orders - pre0) / span_s
-                for t in a_tasks:
-                    t.cancel()
+            # Leaving `Run` closed the client, which cancelled A's open requests
+            # upstream and failed their streams: the drain tasks end with that error.
+            await asyncio.gather(*a_tasks, return_exceptions=True)
             print(f"  {variant}#{rep}: during p50 {quantile(out['during'], 0.5):.1f} ms, "
                   f"n={len(out['during'])}, preemptions/s {out['preemptions_per_s']:.1f}",
                   flush=True)
