@@ -344,11 +344,9 @@ def test_status_of_a_request_refused_at_admission_says_why():
     assert core.status("a", 1).state is RequestState.QUEUED
 
 
-def test_preemption_hands_the_waiter_to_the_victims_worker_with_the_order():
-    """The waiting request is dispatched with the order, to the worker whose slot the
-    victim frees; if that order is lost, the worker's heartbeat lacks the waiter and
-    reconciliation puts it back in the queue (its message was never acked)."""
-    from dispatcher.scheduler.actions import Preempt
+def _flooded_worker() -> tuple[PoolCore, list[str]]:
+    """Tenant a holds both slots of worker w1 (started at 1 ms) and has 2 more queued;
+    preemption on, no hysteresis."""
     from fairlane.poolconfig import PreemptionConfig
     core = _core(preemption=PreemptionConfig(min_run_ms=0))
     for i in range(4):
@@ -357,6 +355,15 @@ def test_preemption_hands_the_waiter_to_the_victims_worker_with_the_order():
     running = [d.request.request_id for d in core.select("w1", 2, 0)]
     for rid in running:
         core.on_started(rid, "w1", 1)
+    return core, running
+
+
+def test_preemption_hands_the_waiter_to_the_victims_worker_with_the_order():
+    """The waiting request is dispatched with the order, to the worker whose slot the
+    victim frees; if that order is lost, the worker's heartbeat lacks the waiter and
+    reconciliation puts it back in the queue (its message was never acked)."""
+    from dispatcher.scheduler.actions import Preempt
+    core, running = _flooded_worker()
     core.submit(_req("b1", tenant="b"), 100)
     (order,) = [a for a in core.preemptions(100, 0) if isinstance(a, Preempt)]
     assert order.worker_id == "w1" and order.request.request_id in running
@@ -375,14 +382,7 @@ def test_a_preemptions_replacement_does_not_keep_a_silent_worker_alive():
     """Work sent to a worker with a preemption order is not contact from it: a stalled
     worker is declared lost on time even while orders keep going to it."""
     from dispatcher.scheduler.actions import Preempt
-    from fairlane.poolconfig import PreemptionConfig
-    core = _core(preemption=PreemptionConfig(min_run_ms=0))
-    for i in range(4):
-        core.submit(_req(f"a{i}", tenant="a"), 0)
-    core.on_pull("w1", 0, 0)
-    running = [d.request.request_id for d in core.select("w1", 2, 0)]
-    for rid in running:
-        core.on_started(rid, "w1", 1)
+    core, running = _flooded_worker()
     core.on_heartbeat("w1", running, 1_000, interval_ms=1_000)  # its last sign of life
     core.submit(_req("b1", tenant="b"), 2_500)
     assert any(isinstance(a, Preempt) for a in core.preemptions(2_500, 0))
@@ -391,14 +391,7 @@ def test_a_preemptions_replacement_does_not_keep_a_silent_worker_alive():
 
 
 def test_no_preemption_order_goes_to_a_worker_silent_for_two_heartbeats():
-    from fairlane.poolconfig import PreemptionConfig
-    core = _core(preemption=PreemptionConfig(min_run_ms=0))
-    for i in range(4):
-        core.submit(_req(f"a{i}", tenant="a"), 0)
-    core.on_pull("w1", 0, 0)
-    running = [d.request.request_id for d in core.select("w1", 2, 0)]
-    for rid in running:
-        core.on_started(rid, "w1", 1)
+    core, running = _flooded_worker()
     core.on_heartbeat("w1", running, 1_000, interval_ms=1_000)
     core.submit(_req("b1", tenant="b"), 3_100)
     assert core.preemptions(3_100, 0) == []  # 2.1 s of silence: maybe stalled
@@ -408,14 +401,7 @@ def test_a_new_request_is_decided_at_once_despite_a_recent_empty_decision():
     """A decision that found nothing pauses the next ones for recheck_ms; a request
     arriving inside that pause must not wait for the next event to be preempted for."""
     from dispatcher.scheduler.actions import Preempt
-    from fairlane.poolconfig import PreemptionConfig
-    core = _core(preemption=PreemptionConfig(min_run_ms=0))
-    for i in range(4):
-        core.submit(_req(f"a{i}", tenant="a"), 0)
-    core.on_pull("w1", 0, 0)
-    running = [d.request.request_id for d in core.select("w1", 2, 0)]
-    for rid in running:
-        core.on_started(rid, "w1", 1)
+    core, running = _flooded_worker()
     core.on_heartbeat("w1", running, 100, interval_ms=1_000)
     assert core.preemptions(100, 0) == []  # a's own queue: nothing to do; pause 20 ms
     core.submit(_req("b1", tenant="b"), 105)
