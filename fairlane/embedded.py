@@ -46,13 +46,14 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str) -> None:
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str,
+                   host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise EmbeddedServerError(f"{name} exited early with code {proc.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 break
         except OSError:
             time.sleep(0.02)
@@ -145,26 +146,32 @@ class NatsServer:
     server_name: str = ""  # required by JetStream in a cluster (see fairlane.natscluster)
     extra_args: list[str] = field(default_factory=list)  # e.g. the cluster's routes
     extra_conf: list[str] = field(default_factory=list)  # configuration lines, e.g. `cluster {...}`
+    # Where it listens (client and monitor ports), and a command it runs under: the
+    # partition chaos test puts one cluster node in a network namespace of its own with
+    # ``host`` its address there and ``cmd_prefix`` ``ip netns exec NAME``.
+    host: str = "127.0.0.1"
+    cmd_prefix: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 15.0) -> NatsServer:
         if self.store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="fl-nats-")
             self.store_dir = self._tmp.name
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        if self.port and port_in_use(self.port):
+        if self.port and not self.cmd_prefix and port_in_use(self.port, self.host):
             # Checked first: our server would exit, but the other one would answer.
             raise EmbeddedServerError(f"nats-server: port {self.port} is already in use")
         self.port = self.port or free_port()
         self.monitor_port = self.monitor_port or free_port()
         args = [
+            *self.cmd_prefix,
             find_nats_server(),
-            "-a", "127.0.0.1",
+            "-a", self.host,
             "-p", str(self.port),
             "-m", str(self.monitor_port),
             "-js",
@@ -178,7 +185,7 @@ class NatsServer:
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True,
                                      preexec_fn=die_with_parent)
-        _wait_for_port(self.port, self.proc, timeout_s, "nats-server")
+        _wait_for_port(self.port, self.proc, timeout_s, "nats-server", self.host)
         return self
 
     def _write_config(self) -> str:

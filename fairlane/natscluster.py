@@ -8,6 +8,11 @@ leader), so streams can be created right after. A node killed with `kill_node`
 restarts on the same ports and store with `start_node` and catches up from its peers.
 With `tls`, clients must speak TLS and the routes do too, each node verifying its
 peers' certificates against the CA (mutual TLS: only the cluster's nodes may join).
+
+`Isolated` (for the partition chaos test) runs one node in a network namespace of its
+own: it listens on its address there and runs under ``ip netns exec``; the other nodes
+listen for routes on the host's end of the link to it instead of 127.0.0.1 (the only
+host address the namespace can reach), and keep their client ports on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -22,6 +27,17 @@ from pathlib import Path
 from fairlane.embedded import EmbeddedServerError, NatsServer, TlsFiles, free_port
 
 CLUSTER_NAME = "fairlane"
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Isolated:
+    """One node in a network namespace, joined to the host by a veth pair."""
+
+    node: str  # its name, e.g. "n3"
+    exec_prefix: tuple[str, ...]  # ("ip", "netns", "exec", NAME)
+    node_addr: str  # its address in the namespace: client, route and monitor ports
+    host_addr: str  # the host's end: where the other nodes listen for routes
 
 
 def default_replicas(cluster_size: int) -> int:
@@ -38,11 +54,15 @@ class NatsCluster:
     client_port: int = 0  # first node's client port; 0 = free ports for all
     auth_conf: str | None = None
     tls: TlsFiles | None = None
+    isolated: Isolated | None = None
     nodes: list[NatsServer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError("a cluster has at least one node")
+        iso = self.isolated
+        if iso is not None and (self.size == 1 or self.tls):
+            raise ValueError("an isolated node needs a cluster of 2+ nodes without TLS")
         # Every port up front and distinct: a port picked for a node not yet started is
         # not bound, so the kernel could hand it out again to an earlier node.
         taken = {self.client_port} if self.client_port else set()
@@ -50,15 +70,18 @@ class NatsCluster:
         route_ports = ports[:self.size]
         client_ports = ports[self.size:2 * self.size]
         monitor_ports = ports[2 * self.size:]
-        routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
+        names = [f"n{i + 1}" for i in range(self.size)]
+        hosts = [iso.node_addr if iso and iso.node == n else LOOPBACK for n in names]
+        route_hosts = [h if h != LOOPBACK or iso is None else iso.host_addr for h in hosts]
+        routes = ",".join(f"nats://{h}:{p}" for h, p in zip(route_hosts, route_ports, strict=True))
         single = self.size == 1  # a plain server: the store and log a single node always had
         for i in range(self.size):
-            name = f"n{i + 1}"
+            name = names[i]
             log = (str(Path(self.log_dir) / f"{self.log_name(name)}.log")
                    if self.log_dir else None)
             cluster_args = [] if single or self.tls else [
                 "--cluster_name", CLUSTER_NAME,
-                "--cluster", f"nats://127.0.0.1:{route_ports[i]}", "--routes", routes]
+                "--cluster", f"nats://{route_hosts[i]}:{route_ports[i]}", "--routes", routes]
             # With TLS, routes speak it too, and verify each other's certificate (signed
             # by the same CA): only the cluster's own nodes can join it.
             cluster_conf = [] if single or not self.tls else ["cluster " + json.dumps({
@@ -72,7 +95,8 @@ class NatsCluster:
                 port=self.client_port if (i == 0 and self.client_port) else client_ports[i],
                 monitor_port=monitor_ports[i],
                 auth_conf=self.auth_conf, tls=self.tls, server_name="" if single else name,
-                extra_args=cluster_args, extra_conf=cluster_conf))
+                extra_args=cluster_args, extra_conf=cluster_conf, host=hosts[i],
+                cmd_prefix=list(iso.exec_prefix) if iso and iso.node == name else []))
 
     def log_name(self, server_name: str) -> str:
         """The node's name in logs and messages: ``nats-server`` alone, else
@@ -136,7 +160,7 @@ def _distinct_free_ports(n: int, taken: set[int]) -> list[int]:
 
 def healthy(node: NatsServer) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz",
+        with urllib.request.urlopen(f"http://{node.host}:{node.monitor_port}/healthz",
                                     timeout=1) as r:
             return r.status == 200 and json.loads(r.read() or b"{}").get("status") == "ok"
     except (OSError, urllib.error.URLError, ValueError):

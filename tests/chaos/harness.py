@@ -73,7 +73,7 @@ class ChaosRun:
         self.procs = Procs(self.workdir)
         # One node: the same store and log paths as a lone NatsServer always had.
         self.cluster = NatsCluster(spec.nats_cluster, str(self.workdir / "nats-store"),
-                                   log_dir=str(self.workdir))
+                                   log_dir=str(self.workdir), isolated=spec.isolated)
         self.nats = self.cluster.nodes[0]  # the broker, when there is one node
         self.obs = Observer()
         self.client: FairlaneClient | None = None
@@ -107,7 +107,9 @@ class ChaosRun:
 
     async def _start(self) -> None:
         self.cluster.start()
-        await self.obs.start(self.cluster.url)
+        # The taps watch from nodes that stay reachable (all of them, unless one is isolated).
+        cut = self.spec.isolated.node if self.spec.isolated else None
+        await self.obs.start(",".join(n.url for n in self.cluster.nodes if n.server_name != cut))
         if self.spec.tenants_yaml:
             self.tenants_file = self.workdir / "tenants.yaml"
             self.tenants_file.write_text(self.spec.tenants_yaml)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from fairlane.errors import ErrorCode
+from fairlane.natscluster import Isolated
 
 PREFIX = "fl"
 POOL = "default"
@@ -31,6 +32,9 @@ class FleetSpec:
     # NATS nodes: 1 = one nats-server; 3 = a cluster on loopback, streams and the
     # leader-lease bucket with 3 replicas (fairlane.natscluster).
     nats_cluster: int = 1
+    # One node of the cluster in a network namespace of its own (the partition
+    # scenarios, `tests.chaos.scenarios_partition`); the harness's taps stay off it.
+    isolated: Isolated | None = None
 
 
 # --- what the client saw ----------------------------------------------------------------

@@ -73,6 +73,7 @@ its own (`checks` in the result, each with its target).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,11 @@ class Scenario:
 
     def fleet(self, p: Params) -> FleetSpec:
         return FleetSpec()
+
+    def environment(self) -> contextlib.AbstractContextManager:
+        """Entered before the fleet starts and left after it stopped, on failure too
+        (a network namespace for the partition scenarios)."""
+        return contextlib.nullcontext()
 
     async def drive(self, run: ChaosRun, p: Params) -> None:
         raise NotImplementedError

@@ -36,6 +36,7 @@ from tests.chaos.scenarios_dispatch import (
     TwoDispatchers,
     UnknownTierAndPool,
 )
+from tests.chaos.scenarios_partition import NatsPartitionFollower, NatsPartitionLeader
 
 
 class WorkerRestart(Scenario):
@@ -246,13 +247,22 @@ class RetryAfterWorkerLost(Scenario):
 SCENARIOS: dict[str, type[Scenario]] = {c.name: c for c in (
     WorkerRestart, NatsRestart, NatsDown5s, WorkerStall, ClientClose, RetryAfterWorkerLost,
     DuplicateWithoutMsgId, UnknownTierAndPool, TwoDispatchers, DispatcherCrashLoop,
-    LeaderKill, LeaderGraceful, NatsLeaderKill, NatsLeaseLeaderKill, NatsFollowerKill)}
+    LeaderKill, LeaderGraceful, NatsLeaderKill, NatsLeaseLeaderKill, NatsFollowerKill,
+    NatsPartitionLeader, NatsPartitionFollower)}
+# Need `ip netns` (root): run by tests/chaos/test_partition.py, which skips without it.
+PARTITION = (NatsPartitionLeader.name, NatsPartitionFollower.name)
 
 
 async def run_scenario(name: str, params: Params, workdir: Path) -> dict[str, Any]:
     """Run one scenario on a fresh fleet; the result dict (see the module docstring)."""
     sc = SCENARIOS[name]()
     t0 = time.monotonic()
+    with sc.environment():
+        return await _run(sc, params, workdir, t0)
+
+
+async def _run(sc: Scenario, params: Params, workdir: Path, t0: float) -> dict[str, Any]:
+    name = sc.name
     async with ChaosRun(Path(workdir), sc.fleet(params), sc.client_kwargs) as run:
         await sc.drive(run, params)
         await run.finish()
@@ -280,4 +290,4 @@ async def run_scenario(name: str, params: Params, workdir: Path) -> dict[str, An
     return res
 
 
-__all__ = ["LOST_CODES", "SCENARIOS", "Params", "run_scenario"]
+__all__ = ["LOST_CODES", "PARTITION", "SCENARIOS", "Params", "run_scenario"]
