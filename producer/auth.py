@@ -93,7 +93,10 @@ async def guard_publish(nc: NatsClient, subject: str,
 
     In a NATS cluster, while the stream elects a new leader (a node died: ~2-4 s) the
     publish gets "no responders": nobody stored it, so it is sent again (same message
-    id, so idempotent anyway) for up to `FAILOVER_RETRY_S`."""
+    id, so idempotent anyway) for up to `FAILOVER_RETRY_S`. A publish whose PubAck
+    timed out (the election outlasted it, or a slow server) is sent again too: if the
+    first was stored, the stream's dedupe answers the second as a duplicate of ours,
+    which the caller attaches to."""
     watch = permission_watch(nc)
     deadline = asyncio.get_running_loop().time() + FAILOVER_RETRY_S
     while True:
@@ -103,7 +106,7 @@ async def guard_publish(nc: NatsClient, subject: str,
             return await watch.guard("publish", subject, publish())
         except PermissionDenied as exc:
             raise denied_error(exc) from None
-        except (NoStreamResponseError, ServiceUnavailableError):
+        except (NoStreamResponseError, ServiceUnavailableError, nats.errors.TimeoutError):
             if asyncio.get_running_loop().time() >= deadline:
                 raise
             log.info("publish_no_stream_leader_retrying", subject=subject)
