@@ -242,14 +242,12 @@ class Dispatcher(Ingest):
         pending: deque[_Pull] = deque()
         if self.lease is not None and not self.lease.leading():
             return  # fenced: dispatch nothing more; unanswered pulls time out
-        if self.scheduler.num_queued and self._pulls:
-            # Before prefetch takes it: a waiting request of a tenant below its share
-            # would sit in an engine's queue until a slot turns over, so if no pull
-            # has a slot free, preempting for it comes first (DESIGN.md section 5b);
-            # and pulls with a slot free are served first, so the policy's next pick
-            # starts at once rather than in another worker's prefetch.
-            if not any(p.free_slots for p in self._pulls):
-                await self._apply(self.core.preemptions(now, 0))
+        # Before prefetch takes it: a waiting request of a tenant below its share would
+        # sit in an engine's queue until a slot turns over. And pulls with a slot free
+        # are served first, so the policy's next pick starts at once rather than in
+        # another worker's prefetch.
+        await self._maybe_preempt(now)
+        if self.scheduler.num_queued and len(self._pulls) > 1:
             self._pulls = deque(sorted(self._pulls, key=lambda p: p.free_slots == 0))
         while self._pulls:
             p = self._pulls.popleft()
@@ -261,9 +259,14 @@ class Dispatcher(Ingest):
             else:
                 pending.append(p)
         self._pulls = pending
-        if self.scheduler.num_queued and not self._pulls:
-            # Work waits and no worker has room: maybe a tenant below its fair share
-            # should not wait for a slot to turn over (DESIGN.md section 5b).
+        await self._maybe_preempt(now)
+
+    async def _maybe_preempt(self, now: float) -> None:
+        """Work waits and no pull has a slot free (prefetch room does not count): maybe
+        a tenant below its fair share should not wait for a slot to turn over
+        (DESIGN.md section 5b). The core decides, and rechecks cheaply."""
+        if (self.scheduler.num_queued and not any(p.free_slots for p in self._pulls)
+                and (self.lease is None or self.lease.leading())):
             await self._apply(self.core.preemptions(now, 0))
 
     def _select_for(self, pull: PullRequest, now: float) -> list[WorkItem]:
@@ -388,9 +391,7 @@ class Dispatcher(Ingest):
             self.core.on_reconnected(now)
             log.info("nats_reconnected", pool=self.settings.pool)
         await self._apply(self.core.tick(now))
-        if self.scheduler.num_queued and not self._pulls and (
-                self.lease is None or self.lease.leading()):
-            await self._apply(self.core.preemptions(now, 0))
+        await self._maybe_preempt(now)
         await self._held.keep_alive(now)
         if self.tenants is not None and now >= self._next_reload_ms:
             self._next_reload_ms = now + self._reload_every_ms

@@ -21,7 +21,6 @@ from fairlane.protocol import (
     ProtocolError,
     RequestStatus,
     StatusRequest,
-    decode_status,
     decode_statuses,
     encode,
 )
@@ -48,15 +47,7 @@ class SilenceWatch:
     async def request_status(self, pool: str, request_id: str,
                              tenant: str = "") -> RequestStatus | None:
         """The pool dispatcher's status of a request; None when nobody answers."""
-        try:
-            msg = await self.nc.request(
-                self.subjects.status(pool),
-                encode(StatusRequest(request_id=request_id, tenant=tenant)),
-                timeout=STATUS_TIMEOUT_S)
-            return decode_status(msg.data)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, ProtocolError,
-                nats.errors.ConnectionClosedError):
-            return None
+        return (await self.request_statuses(pool, [request_id], tenant)).get(request_id)
 
     async def _watch_silence(self) -> None:
         """One task for all streams: ask about the silent ones, fail the lost ones."""

@@ -80,3 +80,28 @@ def alive(pid: int) -> bool:
 def kill9(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
+
+
+async def start_fairlane_up(data_dir: Path) -> tuple[subprocess.Popen, str]:
+    """`fairlane up` (2 sim workers, free ports) as a user starts it; returns the
+    process and its output once it says it is up (fails the test if it exits first)."""
+    import asyncio
+    import time
+
+    import pytest
+
+    proc = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once; output read in a thread
+        [sys.executable, "-m", "fairlane.cli", "up", "--data-dir", str(data_dir),
+         "--nats-port", "0", "--http-port", "0", "--workers", "2", "--time-scale", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    out = ""
+    deadline = time.monotonic() + 90
+    while "Ctrl-C stops everything" not in out:
+        assert time.monotonic() < deadline, out
+        line = await asyncio.to_thread(proc.stdout.readline)
+        if not line:
+            proc.kill()
+            pytest.fail(f"fairlane up exited early:\n{out}")
+        out += line
+    return proc, out

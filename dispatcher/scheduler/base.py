@@ -45,6 +45,11 @@ class Standing:
     demand: float = 0.0  # slots it would use now: running + queued (capped by its quota)
 
     @property
+    def short(self) -> bool:
+        """Short of its share by a whole slot: one more running would not exceed it."""
+        return self.num_running + 1 <= self.share + _EPS
+
+    @property
     def quiet(self) -> bool:
         """Its whole demand fits in its fair share: a tenant that, served as fair
         queueing promises, would wait for nobody (its queue is only the requests that
@@ -105,7 +110,7 @@ class SlotShares:
         self.standings = standings
 
     def owed(self, waiter: Standing) -> bool:
-        return waiter.num_running + 1 <= waiter.share + _EPS
+        return waiter.short
 
     def may_move(self, victim: Standing, waiter: Standing) -> bool:
         return victim.tenant != waiter.tenant and victim.excess > _EPS and self.owed(waiter)

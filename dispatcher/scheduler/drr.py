@@ -186,12 +186,16 @@ class DrrPolicy:
         return len(self._rings.get(tier, ()))
 
 
+_UNSET = object()
+
+
 class _TurnGatedShares(SlotShares):
     def __init__(self, standings: dict[str, Standing], book: TenantBook, tier: str,
                  ring: deque[TenantState], quantum: float, model: CostModel) -> None:
         super().__init__(standings)
         self._book, self._tier, self._ring = book, tier, ring
         self._quantum, self._model = quantum, model
+        self._first: TenantState | None | object = _UNSET
 
     def owed(self, waiter: Standing) -> bool:
         st = self._book.states.get((self._tier, waiter.tenant))
@@ -204,7 +208,7 @@ class _TurnGatedShares(SlotShares):
             # quantum a new turn adds), and only if DRR would serve it first among the
             # tenants a freed slot could go to (those short of their share, in ring
             # order): preemption then takes turns in DRR's order, never ahead of it.
-            return self._first_fit(self.standings) is st
+            return self._first_fit() is st
         # A quiet tenant (its whole demand fits in its share) may spend its next turn's
         # quantum early: with every slot held by a flood, DRR's round advances only as
         # slots turn over, and a tenant that asks for less than its share should not
@@ -213,14 +217,18 @@ class _TurnGatedShares(SlotShares):
         credit = st.credit + self._quantum * st.weight
         return estimate_cost(self._model, waiter.head) <= credit + _EPS
 
-    def _first_fit(self, standings: dict[str, Standing]) -> TenantState | None:
-        """The first short tenant in ring order whose head fits its turn's credit."""
-        for st in self._ring:
-            s = standings.get(st.tenant)
-            head = st.queue.peek()
-            if head is None or s is None or not SlotShares.owed(self, s):
-                continue
-            credit = st.credit + (0.0 if st.in_turn else self._quantum * st.weight)
-            if estimate_cost(self._model, head) <= credit + _EPS:
-                return st
-        return None
+    def _first_fit(self) -> TenantState | None:
+        """The first short tenant in ring order whose head fits its turn's credit (one
+        ring walk per view: a decision asks for every waiter)."""
+        if self._first is _UNSET:
+            self._first = None
+            for st in self._ring:
+                s = self.standings.get(st.tenant)
+                head = st.queue.peek()
+                if head is None or s is None or not s.short:
+                    continue
+                credit = st.credit + (0.0 if st.in_turn else self._quantum * st.weight)
+                if estimate_cost(self._model, head) <= credit + _EPS:
+                    self._first = st
+                    break
+        return self._first

@@ -332,8 +332,7 @@ class PoolCore:
         if request_id in self._checking:
             return None
         worker_id = self.workers.worker_of(request_id)
-        w = self.workers.workers.get(worker_id) if worker_id is not None else None
-        if w is None or now_ms - w.last_seen_ms > 2 * w.interval_ms:
+        if worker_id is None or not self.workers.responsive(worker_id, now_ms):
             return None
         return worker_id
 

@@ -298,7 +298,7 @@ class _Decision:
             del short[key]  # no demand in this tier any more
         for s in view.standings.values():
             key = (kind, i, s.tenant)
-            if s.num_running + 1 > s.share + _EPS:
+            if not s.short:
                 short.pop(key, None)
                 continue
             since = short.setdefault(key, self.now_ms)

@@ -91,8 +91,10 @@ class WorkerRegistry:
         """`request_id` now runs on `worker_id`. `contact`: the worker asked for it (a
         pull); False for work sent unasked (a preemption's replacement), which says
         nothing about whether the worker is alive."""
-        w = self.workers.get(worker_id) if not contact else None
-        (w or self.seen(worker_id, now_ms)).request_ids.add(request_id)
+        w = self.workers.get(worker_id)
+        if contact or w is None:
+            w = self.seen(worker_id, now_ms)
+        w.request_ids.add(request_id)
         self._assigned[request_id] = _Assignment(worker_id, now_ms)
 
     def unassign(self, request_id: str) -> str | None:
@@ -103,6 +105,11 @@ class WorkerRegistry:
         if w is not None:
             w.request_ids.discard(request_id)
         return a.worker_id
+
+    def responsive(self, worker_id: str, now_ms: float) -> bool:
+        """Heard from within two of its heartbeat intervals (not maybe stalled)."""
+        w = self.workers.get(worker_id)
+        return w is not None and now_ms - w.last_seen_ms <= 2 * w.interval_ms
 
     def worker_of(self, request_id: str) -> str | None:
         a = self._assigned.get(request_id)

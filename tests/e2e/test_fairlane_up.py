@@ -7,14 +7,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
-import time
 
 import pytest
 
 from producer.client import FairlaneClient
 from tests.helpers import spec, wait_until
-from tests.procs import alive, cmdline, descendants
+from tests.procs import alive, cmdline, descendants, start_fairlane_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -26,21 +24,8 @@ def _port_open(port: int) -> bool:
 
 
 async def _start_up(tmp_path) -> tuple[subprocess.Popen, str, int, int]:
-    """`fairlane up` on free ports; returns once it says it is up."""
-    proc = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once; output read in a thread
-        [sys.executable, "-m", "fairlane.cli", "up", "--data-dir", str(tmp_path / "fl"),
-         "--nats-port", "0", "--http-port", "0", "--workers", "2", "--time-scale", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    out = ""
-    deadline = time.monotonic() + 90
-    while "Ctrl-C stops everything" not in out:
-        assert time.monotonic() < deadline, out
-        line = await asyncio.to_thread(proc.stdout.readline)
-        if not line:
-            proc.kill()
-            pytest.fail(f"fairlane up exited early:\n{out}")
-        out += line
+    """`fairlane up` on free ports; returns once it says it is up, with its ports."""
+    proc, out = await start_fairlane_up(tmp_path / "fl")
     nats_port = int(re.search(r"NATS: nats://127.0.0.1:(\d+)", out).group(1))
     http_port = int(re.search(r"http://127.0.0.1:(\d+)/v1", out).group(1))
     return proc, out, nats_port, http_port

@@ -12,8 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from collections import defaultdict
 
@@ -22,28 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer.client import FairlaneClient
 from tests.helpers import spec, wait_until
+from tests.procs import start_fairlane_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 METRICS_LINE = re.compile(r"^\s+([\w-]+)\s+(http://127\.0\.0\.1:\d+/metrics)\s*$", re.M)
-
-
-async def _start_up(tmp_path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once; output read in a thread
-        [sys.executable, "-m", "fairlane.cli", "up", "--data-dir", str(tmp_path / "fl"),
-         "--nats-port", "0", "--http-port", "0", "--workers", "2", "--time-scale", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    out = ""
-    deadline = time.monotonic() + 90
-    while "Ctrl-C stops everything" not in out:
-        assert time.monotonic() < deadline, out
-        line = await asyncio.to_thread(proc.stdout.readline)
-        if not line:
-            proc.kill()
-            pytest.fail(f"fairlane up exited early:\n{out}")
-        out += line
-    return proc, out
 
 
 def _scrape(url: str) -> str:
@@ -74,7 +55,7 @@ def _promtool_problems(text: str) -> str:
 
 
 async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tmp_path):
-    proc, out = await _start_up(tmp_path)
+    proc, out = await start_fairlane_up(tmp_path / "fl")
     try:
         urls = dict(METRICS_LINE.findall(out))
         assert {"dispatcher", "worker-0", "worker-1", "streamer"} <= set(urls), out
