@@ -58,6 +58,7 @@ log = structlog.get_logger(__name__)
 PULL_TIMEOUT_MARGIN_MS = 2_000  # on top of wait_ms: the dispatcher answers within wait_ms
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+STOP_TASKS_TIMEOUT_S = 2.0  # cancelled loops end within this; a stuck one is logged
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 EXIT_FAILED = 1
@@ -78,6 +79,7 @@ class Worker(RequestServing):
         self._background: set[asyncio.Task] = set()
         self._slot_event = asyncio.Event()  # a request started or finished, or drain
         self._draining = False
+        self._closing = False  # run() is tearing down: every loop ends
         self._drain_event = asyncio.Event()
         self._dead = asyncio.Event()
         self._dead_reason = ""
@@ -142,9 +144,15 @@ class Worker(RequestServing):
             else:
                 rc = await self._drain(pull_task)
         finally:
-            for t in (stop_task, dead_task, hb_task, pull_task):
+            self._closing = True
+            tasks = (stop_task, dead_task, hb_task, pull_task)
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(stop_task, dead_task, hb_task, pull_task, return_exceptions=True)
+            # Bounded: Python 3.11's wait_for can swallow a cancel that races with its
+            # inner future finishing (gh-86296); the loops also watch _closing.
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_TASKS_TIMEOUT_S)
+            if stuck:
+                self.log.warning("tasks_stuck_on_stop", tasks=sorted(t.get_name() for t in stuck))
             with contextlib.suppress(Exception):
                 for sub in cancel_subs:
                     await sub.unsubscribe()
@@ -429,7 +437,7 @@ class Worker(RequestServing):
 
     async def _heartbeat_loop(self) -> None:
         # A periodic timer is the one place a plain sleep is right.
-        while True:
+        while not self._closing:
             await self._heartbeat()
             await asyncio.sleep(self.s.heartbeat_ms / 1000)
 
