@@ -42,7 +42,7 @@ from fairlane.protocol import (
     decode_work_batch,
     encode,
 )
-from fairlane.runtime import Stopped, log_nats_error, now_ms, until_stopped
+from fairlane.runtime import Stopped, cancel_and_wait, log_nats_error, now_ms, until_stopped
 from fairlane.streams import ensure_streams
 from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
@@ -58,7 +58,6 @@ log = structlog.get_logger(__name__)
 PULL_TIMEOUT_MARGIN_MS = 2_000  # on top of wait_ms: the dispatcher answers within wait_ms
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
-STOP_TASKS_TIMEOUT_S = 2.0  # cancelled loops end within this; a stuck one is logged
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 EXIT_FAILED = 1
@@ -145,14 +144,8 @@ class Worker(RequestServing):
                 rc = await self._drain(pull_task)
         finally:
             self._closing = True
-            tasks = (stop_task, dead_task, hb_task, pull_task)
-            for t in tasks:
-                t.cancel()
-            # Bounded: Python 3.11's wait_for can swallow a cancel that races with its
-            # inner future finishing (gh-86296); the loops also watch _closing.
-            _, stuck = await asyncio.wait(tasks, timeout=STOP_TASKS_TIMEOUT_S)
-            if stuck:
-                self.log.warning("tasks_stuck_on_stop", tasks=sorted(t.get_name() for t in stuck))
+            await asyncio.gather(*(cancel_and_wait(t)
+                                   for t in (stop_task, dead_task, hb_task, pull_task)))
             with contextlib.suppress(Exception):
                 for sub in cancel_subs:
                     await sub.unsubscribe()
