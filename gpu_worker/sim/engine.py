@@ -31,12 +31,8 @@ accounting (``kv_token_seconds``) is always in simulated seconds.
 from __future__ import annotations
 
 import asyncio
-import enum
-import heapq
-import itertools
 import random
 import zlib
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -46,19 +42,13 @@ from fairlane.protocol import EngineLoad, WorkItem
 from fairlane.runtime import cancel_and_wait
 from fairlane.validation import estimate_prompt_tokens
 from gpu_worker.engine import EngineDead, EngineError, GenerationDelta, PromptTooLong
-from gpu_worker.sim.prefix_cache import PrefixCache
+from gpu_worker.sim.batch import BatchCore, Seq, SeqState, StepRecord
 from gpu_worker.sim.step_model import StepModel, load_step_model
 
 log = structlog.get_logger(__name__)
 
 SIM_VOCAB_SIZE = 32_000
 DEFAULT_MEAN_OUTPUT_TOKENS = 128
-
-
-class _State(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class _StopMatcher:
@@ -94,58 +84,27 @@ class _StopMatcher:
 
 
 @dataclass(eq=False, slots=True)
-class _Seq:
-    request_id: str
-    priority: int
-    arrival: int
-    num_prompt_tokens: int
-    target_output_tokens: int
-    finish_reason_at_target: str
+class _Stream:
+    """What the engine keeps per sequence beyond the batch physics (`Seq.owner`)."""
+
     rng: random.Random
-    cache_key: tuple[str, str]  # (cache salt, request id): its prefix-cache entry
+    finish_reason_at_target: str
     stop: _StopMatcher | None = None
-    is_resume: bool = False
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
-    state: _State = _State.WAITING
-    num_output_tokens: int = 0  # whole request: resumed-from tokens included
-    num_blocks: int = 0
-    num_kv_computed: int = 0  # tokens whose KV is computed (the last sampled has none yet)
-    num_admissions: int = 0
-    num_preemptions: int = 0
-    kv_token_seconds: float = 0.0
-    # A continuation's first admission: re-prefilled tokens the prefix cache did not
-    # hold, and prompt tokens it did.
-    num_recomputed_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
-
-    @property
-    def num_kv_tokens(self) -> int:
-        """Tokens whose KV this sequence holds (zero while waiting)."""
-        return self.num_prompt_tokens + self.num_output_tokens if self.num_blocks else 0
-
-    def delta(self, **kw: object) -> GenerationDelta:
-        return GenerationDelta(
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
-            num_output_tokens=self.num_output_tokens,
-            kv_token_seconds=self.kv_token_seconds,
-            num_recomputed_tokens=self.num_recomputed_tokens,
-            **kw,  # type: ignore[arg-type]
-        )
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One simulated engine step, kept for tests and experiments."""
+def _delta(seq: Seq, **kw: object) -> GenerationDelta:
+    return GenerationDelta(
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+        kv_token_seconds=seq.kv_token_seconds,
+        num_recomputed_tokens=seq.num_recomputed_tokens,
+        **kw,  # type: ignore[arg-type]
+    )
 
-    num_running: int
-    kv_tokens_in_use: int
-    prefill_tokens: int
-    step_ms: float
+
+__all__ = ["SimEngine", "StepRecord"]
 
 
 class SimEngine:
@@ -164,12 +123,13 @@ class SimEngine:
         step_log_size: int = 10_000,
     ) -> None:
         self.step_model = load_step_model(step_model) if isinstance(step_model, str) else step_model
-        self.max_num_seqs = max_num_seqs or self.step_model.max_num_seqs
-        self.block_size = self.step_model.kv_block_size_tokens
-        total = kv_tokens_total or self.step_model.kv_tokens_total
-        self.num_blocks_total = total // self.block_size
-        if self.num_blocks_total < 1:
-            raise ValueError("kv_tokens_total must hold at least one KV block")
+        # The batch physics (slots, KV, queue, prefix cache), shared with the fleet
+        # simulator; this class adds streams, token texts and (scaled) real time.
+        self.core = BatchCore(self.step_model, max_num_seqs=max_num_seqs,
+                              kv_tokens_total=kv_tokens_total, step_log_size=step_log_size)
+        self.max_num_seqs = self.core.max_num_seqs
+        self.block_size = self.core.block_size
+        self.num_blocks_total = self.core.num_blocks_total
         kv_capacity = self.num_blocks_total * self.block_size
         self.max_model_len = max_model_len if max_model_len > 0 else kv_capacity  # 0: unset
         # A sequence can never hold more tokens than the whole cache (it would evict
@@ -181,26 +141,20 @@ class SimEngine:
         self.mean_output_tokens = max(1, mean_output_tokens)
         self.fail_after_steps = fail_after_steps  # test hook: simulated engine crash
 
-        self._seqs: dict[str, _Seq] = {}
-        self._running: list[_Seq] = []
-        self._waiting: list[tuple[int, int, _Seq]] = []  # heap; stale entries skipped
-        self._num_waiting = 0
-        self._free_blocks = self.num_blocks_total  # includes the prefix cache's blocks
-        self.prefix_cache = PrefixCache()
-        self._arrivals = itertools.count()
+        self._seqs: dict[str, Seq] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._closed = False
 
-        self.num_steps = 0
-        self.num_preemptions = 0
-        # Tokens prefilled again (a preempted sequence's or a continuation's prompt +
-        # output) that the prefix cache no longer held, and those it did hold.
-        self.num_recomputed_tokens = 0
-        self.num_prefix_cache_hit_tokens = 0
-        self.sim_time_s = 0.0
-        self.steps: deque[StepRecord] = deque(maxlen=step_log_size)
+    # The counters tests, metrics and experiments read live in the core.
+    num_steps = property(lambda self: self.core.num_steps)
+    num_preemptions = property(lambda self: self.core.num_preemptions)
+    num_recomputed_tokens = property(lambda self: self.core.num_recomputed_tokens)
+    num_prefix_cache_hit_tokens = property(lambda self: self.core.num_prefix_cache_hit_tokens)
+    sim_time_s = property(lambda self: self.core.sim_time_s)
+    steps = property(lambda self: self.core.steps)
+    prefix_cache = property(lambda self: self.core.prefix_cache)
 
     @classmethod
     def from_settings(cls, settings: object) -> SimEngine:
@@ -235,16 +189,17 @@ class SimEngine:
         if self._task is None:
             await self.start()
         seq = self._new_seq(item)
+        stream: _Stream = seq.owner
         if seq.num_output_tokens >= seq.target_output_tokens:
             # A continuation with nothing left to generate: it never takes a slot.
-            yield seq.delta(finish_reason=seq.finish_reason_at_target)
+            yield _delta(seq, finish_reason=stream.finish_reason_at_target)
             return
         self._seqs[seq.request_id] = seq
-        self._push_waiting(seq)
+        self.core.add(seq)
         self._wakeup.set()
         try:
             while True:
-                d = await seq.out.get()
+                d = await stream.out.get()
                 if isinstance(d, BaseException):
                     raise d
                 yield d
@@ -252,32 +207,31 @@ class SimEngine:
                     return
         finally:
             # The consumer stopped early (cancelled, closed): free its slot and KV.
-            if seq.state is not _State.FINISHED:
+            if seq.state is not SeqState.FINISHED:
                 self._finish(seq, None)
             if self._seqs.get(seq.request_id) is seq:
                 del self._seqs[seq.request_id]
 
     async def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
-        if seq is not None and seq.state is not _State.FINISHED:
+        if seq is not None and seq.state is not SeqState.FINISHED:
             self._finish(seq, "abort")
 
     def load(self) -> EngineLoad:
         """Current load. Raises EngineDead once the engine loop has crashed."""
         self._check_alive()
-        used = self.num_blocks_total - self._free_blocks
         return EngineLoad(
-            num_running=len(self._running),
-            num_waiting=self._num_waiting,
+            num_running=len(self.core.running),
+            num_waiting=self.core.num_waiting,
             max_num_seqs=self.max_num_seqs,
-            kv_tokens_used=used * self.block_size,
-            kv_tokens_total=self.num_blocks_total * self.block_size,
+            kv_tokens_used=self.core.kv_tokens_used,
+            kv_tokens_total=self.core.kv_tokens_total,
         )
 
     async def close(self) -> None:
         self._closed = True
         for seq in list(self._seqs.values()):
-            if seq.state is not _State.FINISHED:
+            if seq.state is not SeqState.FINISHED:
                 self._finish(seq, "abort")
         await cancel_and_wait(self._task)
         self._task = None
@@ -290,7 +244,7 @@ class SimEngine:
         if self._closed:
             raise EngineDead("simulator engine is closed")
 
-    def _new_seq(self, item: WorkItem) -> _Seq:
+    def _new_seq(self, item: WorkItem) -> Seq:
         req = item.request
         if req.request_id in self._seqs:
             raise EngineError(f"request {req.request_id} is already in the engine")
@@ -315,57 +269,44 @@ class SimEngine:
         cap = max(1, min(req.sampling.max_tokens, self.max_seq_len - num_prompt))
         num_done = len(req.resume.generated_token_ids) if req.resume is not None else 0
         target = min(natural, cap)
-        seq = _Seq(
+        seq = Seq(
             request_id=req.request_id,
             priority=item.engine_priority,
-            arrival=next(self._arrivals),
             num_prompt_tokens=num_prompt,
             target_output_tokens=target,
-            finish_reason_at_target="stop" if natural < cap and num_done < cap else "length",
-            rng=rng,
             cache_key=(item.cache_salt or req.tenant, req.request_id),
-            stop=_StopMatcher(req.sampling.stop) if any(req.sampling.stop) else None,
             is_resume=req.resume is not None,
             num_output_tokens=num_done,
+            owner=_Stream(
+                rng=rng,
+                finish_reason_at_target="stop" if natural < cap and num_done < cap else "length",
+                stop=_StopMatcher(req.sampling.stop) if any(req.sampling.stop) else None,
+            ),
         )
         if num_done < target:
             for _ in range(num_done):  # skip the tokens the client already has
                 rng.randrange(SIM_VOCAB_SIZE)
         return seq
 
-    def _push_waiting(self, seq: _Seq) -> None:
-        seq.state = _State.WAITING
-        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
-        self._num_waiting += 1
-
-    def _peek_waiting(self) -> _Seq | None:
-        while self._waiting and self._waiting[0][2].state is not _State.WAITING:
-            heapq.heappop(self._waiting)  # stale: aborted while waiting
-        return self._waiting[0][2] if self._waiting else None
-
     # --- the engine loop ------------------------------------------------------------
 
     async def _loop(self) -> None:
+        core = self.core
         try:
             while True:
-                prefill_tokens = self._schedule()
-                if not self._running:
+                prefill_tokens = core.schedule()
+                if not core.running:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                batch = list(self._running)
-                kv_in_use = sum(s.num_kv_tokens for s in batch)
-                step_ms = self.step_model.step_ms(len(batch), kv_in_use, prefill_tokens)
-                self.steps.append(StepRecord(len(batch), kv_in_use, prefill_tokens, step_ms))
+                batch = list(core.running)
+                step_ms = core.step_ms(prefill_tokens)
                 await asyncio.sleep(step_ms / 1000.0 * self.time_scale)
-                self.num_steps += 1
-                self.sim_time_s += step_ms / 1000.0
-                if self.fail_after_steps and self.num_steps >= self.fail_after_steps:
-                    raise RuntimeError(f"simulated engine failure after {self.num_steps} steps")
-                for seq in batch:
-                    if seq.state is _State.RUNNING:  # not aborted during the step
-                        seq.kv_token_seconds += seq.num_kv_tokens * step_ms / 1000.0
-                        self._emit_token(seq)
+                if self.fail_after_steps and core.num_steps + 1 >= self.fail_after_steps:
+                    raise RuntimeError(
+                        f"simulated engine failure after {core.num_steps + 1} steps")
+                for seq in core.end_step(batch, step_ms):
+                    self._emit_token(seq)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -373,123 +314,33 @@ class SimEngine:
             log.error("sim_engine_loop_crashed", error=repr(exc))
             dead = EngineDead(f"simulator engine loop died: {exc!r}")
             for seq in list(self._seqs.values()):
-                if seq.state is not _State.FINISHED:
-                    self._release(seq)
-                    seq.out.put_nowait(dead)
+                if seq.state is not SeqState.FINISHED:
+                    core.release(seq)
+                    seq.owner.out.put_nowait(dead)
 
-    def _schedule(self) -> int:
-        """Grow running sequences (preempting on KV exhaustion), then admit waiting
-        ones. Returns the number of tokens to prefill in this step."""
-        preempted = False
-        for seq in sorted(self._running, key=lambda s: s.key):
-            if seq.state is not _State.RUNNING:
-                continue  # preempted earlier in this pass
-            need = self._blocks_for(seq) - seq.num_blocks
-            while need > self._free_blocks:
-                victim = max(self._running, key=lambda s: s.key)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.state is _State.RUNNING and need > 0:
-                seq.num_blocks += need
-                self._take_free_blocks(need)
-        if preempted and self._running:
-            return 0  # as vLLM: no admissions in a step that had to preempt
-        prefill = 0
-        while len(self._running) < self.max_num_seqs:
-            head = self._peek_waiting()
-            if head is None:
-                break
-            need = self._blocks_for(head)
-            if need > self._free_blocks:
-                break  # head-of-line: nothing behind it jumps ahead
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
-            prefill += self._admit(head, need)
-        return prefill
-
-    def _admit(self, seq: _Seq, need: int) -> int:
-        """Move `seq` into the batch with `need` blocks; returns its prefill tokens."""
-        num_tokens = seq.num_prompt_tokens + seq.num_output_tokens
-        hit_tokens = 0
-        # Recompute-style: a preempted sequence or a continuation re-prefills prompt +
-        # generated tokens, less the full blocks its prefix-cache entry still holds. At
-        # least the last token is computed again (its logits give the next token), as
-        # in vLLM.
-        refill = seq.is_resume or seq.num_admissions > 0
-        if refill:
-            hit_blocks = self.prefix_cache.take(seq.cache_key, (num_tokens - 1) // self.block_size)
-            hit_tokens = hit_blocks * self.block_size
-            self.num_recomputed_tokens += num_tokens - hit_tokens
-            self.num_prefix_cache_hit_tokens += hit_tokens
-            if seq.num_admissions == 0:  # the continuation's own re-prefill
-                seq.num_recomputed_tokens = num_tokens - hit_tokens
-                seq.num_cached_prompt_tokens = min(hit_tokens, seq.num_prompt_tokens)
-        self._take_free_blocks(need)
-        seq.state = _State.RUNNING
-        seq.num_blocks = need
-        seq.num_kv_computed = hit_tokens
-        seq.num_admissions += 1
-        self._running.append(seq)
-        return num_tokens - hit_tokens
-
-    def _take_free_blocks(self, n: int) -> None:
-        """Allocate `n` of the free blocks, evicting cached ones only when the
-        uncached free blocks do not suffice (the caller checked n <= free)."""
-        shortfall = n - (self._free_blocks - self.prefix_cache.num_blocks)
-        if shortfall > 0:
-            self.prefix_cache.evict(shortfall)
-        self._free_blocks -= n
-
-    def _blocks_for(self, seq: _Seq) -> int:
-        return -(-(seq.num_prompt_tokens + seq.num_output_tokens + 1) // self.block_size)
-
-    def _preempt(self, seq: _Seq) -> None:
-        self._release(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self._push_waiting(seq)
-        log.debug("sim_preempted", request_id=seq.request_id, num_output_tokens=seq.num_output_tokens)
-
-    def _release(self, seq: _Seq) -> None:
-        """Take `seq` out of the batch / queue and free its KV blocks; its full
-        computed blocks stay in the prefix cache (free, evictable) for a later run."""
-        if seq.state is _State.RUNNING:
-            self._running.remove(seq)
-        elif seq.state is _State.WAITING:
-            self._num_waiting -= 1  # its heap entry goes stale and is skipped
-        if seq.num_blocks:
-            self._free_blocks += seq.num_blocks
-            full_blocks = min(seq.num_blocks, seq.num_kv_computed // self.block_size)
-            self.prefix_cache.put(seq.cache_key, full_blocks)
-        seq.num_blocks = 0
-        seq.num_kv_computed = 0
-        seq.state = _State.FINISHED
-
-    def _emit_token(self, seq: _Seq) -> None:
-        seq.num_output_tokens += 1
-        # The step fed the previously sampled token, so all but the new one have KV.
-        seq.num_kv_computed = seq.num_prompt_tokens + seq.num_output_tokens - 1
-        token_id = seq.rng.randrange(SIM_VOCAB_SIZE)
+    def _emit_token(self, seq: Seq) -> None:
+        """`seq` just got a token (BatchCore.end_step): its text, and maybe its end."""
+        stream: _Stream = seq.owner
+        token_id = stream.rng.randrange(SIM_VOCAB_SIZE)
         text, finish = f" tok{token_id}", None
-        if seq.stop is not None:
-            text, stopped = seq.stop.feed(text)
+        if stream.stop is not None:
+            text, stopped = stream.stop.feed(text)
             if stopped:
                 finish = "stop"
         if finish is None and seq.num_output_tokens >= seq.target_output_tokens:
-            finish = seq.finish_reason_at_target
-            text += seq.stop.flush() if seq.stop is not None else ""
+            finish = stream.finish_reason_at_target
+            text += stream.stop.flush() if stream.stop is not None else ""
         if finish is None:
-            seq.out.put_nowait(seq.delta(text=text, token_ids=[token_id]))
+            stream.out.put_nowait(_delta(seq, text=text, token_ids=[token_id]))
             return
-        self._release(seq)
-        seq.out.put_nowait(seq.delta(text=text, token_ids=[token_id], finish_reason=finish))
+        self.core.release(seq)
+        stream.out.put_nowait(_delta(seq, text=text, token_ids=[token_id], finish_reason=finish))
 
-    def _finish(self, seq: _Seq, finish_reason: str | None) -> None:
-        self._release(seq)
+    def _finish(self, seq: Seq, finish_reason: str | None) -> None:
+        self.core.release(seq)
         if finish_reason is not None:
             # Text held back for a possible stop string belongs to tokens already
             # emitted (a continuation starts after them): it goes out now.
-            held = seq.stop.flush() if seq.stop is not None else ""
-            seq.out.put_nowait(seq.delta(text=held, finish_reason=finish_reason))
+            stream: _Stream = seq.owner
+            held = stream.stop.flush() if stream.stop is not None else ""
+            stream.out.put_nowait(_delta(seq, text=held, finish_reason=finish_reason))
