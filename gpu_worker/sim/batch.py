@@ -143,6 +143,25 @@ class BatchCore:
     def schedule(self) -> int:
         """Grow running sequences (preempting on KV exhaustion), then admit waiting
         ones. Returns the number of tokens to prefill in this step."""
+        if self.grow() and self.running:
+            return 0  # as vLLM: no admissions in a step that had to preempt
+        prefill = 0
+        while len(self.running) < self.max_num_seqs:
+            head = self.peek_waiting()
+            if head is None:
+                break
+            need = self.blocks_for(head)
+            if need > self.free_blocks:
+                break  # head-of-line: nothing behind it jumps ahead
+            heapq.heappop(self._waiting)
+            self.num_waiting -= 1
+            prefill += self._admit(head, need)
+        return prefill
+
+    def grow(self) -> bool:
+        """The first half of `schedule`: give each running sequence the KV blocks its
+        next token needs, preempting (latest, lowest priority first) when they run
+        out. True if it preempted."""
         preempted = False
         for seq in sorted(self.running, key=lambda s: s.key):
             if seq.state is not SeqState.RUNNING:
@@ -157,20 +176,7 @@ class BatchCore:
             if seq.state is SeqState.RUNNING and need > 0:
                 seq.num_blocks += need
                 self._take_free_blocks(need)
-        if preempted and self.running:
-            return 0  # as vLLM: no admissions in a step that had to preempt
-        prefill = 0
-        while len(self.running) < self.max_num_seqs:
-            head = self.peek_waiting()
-            if head is None:
-                break
-            need = self.blocks_for(head)
-            if need > self.free_blocks:
-                break  # head-of-line: nothing behind it jumps ahead
-            heapq.heappop(self._waiting)
-            self.num_waiting -= 1
-            prefill += self._admit(head, need)
-        return prefill
+        return preempted
 
     def step_ms(self, prefill_tokens: int) -> float:
         """Duration of the step about to run over the current batch."""

@@ -1,0 +1,431 @@
+"""The fleet in virtual time: the production `PoolCore` and N `BatchCore` engines.
+
+A discrete-event simulation. Nothing here decides anything the product decides: every
+scheduling, preemption and recovery decision is `dispatcher.scheduler.pool.PoolCore`'s
+(the dispatcher's own core, unchanged), and every batching, KV and step-time effect
+is `gpu_worker.sim.batch.BatchCore`'s (the simulator engine's own physics). This
+module is the glue the real processes provide over NATS, written as events:
+
+- a worker pulls when it has room (the worker's `_room` rule: batch cap + prefetch,
+  no more prefetch while its engine queue holds some), one pull at a time; the
+  dispatcher answers at once or holds the pull until work arrives or `pull_wait_ms`;
+- pulls with a free slot are served first, and when work waits and no pull has a
+  free slot the core is asked for preemptions (as `dispatcher.service`);
+- every message between dispatcher and worker takes `network_ms`;
+- a worker's engine runs one step at a time, or a whole run of steps at once when
+  nothing can change its batch (`BatchCore.steps_until_change`); work arriving
+  mid-run cuts the run at the step in progress, as the real engine admits it there;
+- heartbeats every `heartbeat_ms` and housekeeping every `housekeeping_ms` go to the
+  core as the shell sends them, so its liveness rules see a live fleet.
+
+Not modelled: the client and JetStream legs (ingest is instantaneous), worker or
+broker faults, and the edge's rate limits (the workload is what reaches the pool).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from dispatcher.scheduler import actions as act
+from dispatcher.scheduler.core import Scheduler
+from dispatcher.scheduler.pool import PoolCore
+from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
+from fairlane.poolconfig import SchedulerConfig
+from fairlane.protocol import EngineLoad
+from fairlane.simulate.records import Arrival, Sink, TenantTable
+from gpu_worker.sim.batch import BatchCore, Seq, SeqState
+from gpu_worker.sim.step_model import StepModel, load_step_model
+
+
+@dataclass(slots=True)
+class FleetSettings:
+    """The fleet's shape and the product's timing knobs (their defaults)."""
+
+    num_workers: int = 2
+    step_model: str = "default"  # gpu_worker/sim/step_models/<name>.json or a path
+    max_num_seqs: int | None = None  # None: the step model's
+    kv_tokens_total: int | None = None  # None: the step model's
+    prefetch_seqs: int = 4  # gpu_worker --prefetch-seqs
+    pull_wait_ms: float = 1_000.0  # gpu_worker --pull-wait-ms
+    heartbeat_ms: float = 1_000.0  # gpu_worker --heartbeat-ms
+    worker_timeout_ms: float = 3_500.0  # dispatcher --worker-timeout-ms
+    housekeeping_ms: float = 200.0  # dispatcher --housekeeping-ms
+    network_ms: float = 0.5  # one NATS hop between dispatcher and worker
+    sample_every_s: float = 1.0
+    # Clients send `expected_output_tokens` = the length they will get (the benches do:
+    # the cost model then charges what is generated); else the core estimates from
+    # max_tokens, as for a client that gives no hint.
+    hint_output_tokens: bool = False
+    # Run whole runs of engine steps as one event when nothing can change the batch
+    # (exact: tests compare with False, which steps one at a time).
+    batch_runs: bool = True
+
+
+@dataclass(slots=True)
+class _Req:
+    """A request's life in the simulation (the QueuedRequest's payload)."""
+
+    arrival: Arrival
+    tenant: str
+    num_generated: int = 0  # tokens its client has (continuations start here)
+    first_token_ms: float | None = None
+    preemptions: int = 0
+    started: bool = False  # this attempt's first token went out (the message's ack)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Steps in progress on a worker: ends (ms from start) of each, applied at once."""
+
+    start_ms: float
+    ends_ms: list[float]
+    prefill_tokens: int
+    batch: list[Seq]
+    version: int
+
+
+@dataclass(eq=False, slots=True)
+class _Worker:
+    worker_id: str
+    core: BatchCore
+    seqs: dict[str, Seq] = field(default_factory=dict)  # accepted, not ended
+    pulling: bool = False
+    run: _Run | None = None
+    version: int = 0  # bumps when a run is cut: its end event is stale
+
+
+class Fleet:
+    """Runs a workload through PoolCore and `num_workers` simulated engines."""
+
+    def __init__(self, config: SchedulerConfig, tenants: TenantTable, sink: Sink,
+                 settings: FleetSettings | None = None) -> None:
+        self.s = settings or FleetSettings()
+        self.tenants = tenants
+        self.sink = sink
+        self.scheduler = Scheduler(config)
+        self.core = PoolCore(self.scheduler, self.s.worker_timeout_ms)
+        self.step_model: StepModel = load_step_model(self.s.step_model)
+        self.workers = [
+            _Worker(f"w{i}", BatchCore(self.step_model, max_num_seqs=self.s.max_num_seqs,
+                                       kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
+            for i in range(self.s.num_workers)]
+        self._by_id = {w.worker_id: w for w in self.workers}
+        self._events: list[tuple[float, int, Callable, object]] = []
+        self._seq = itertools.count()
+        self._pulls: deque[tuple[_Worker, int, int, int, float]] = deque()
+        self._tier_index = {name: i for i, name in enumerate(tenants.tiers)}
+        self.now_ms = 0.0
+        self.num_events = 0
+        self.num_preemptions = 0
+        self.num_arrivals = 0
+
+    # --- the event loop ---------------------------------------------------------------
+
+    def _at(self, t_ms: float, fn: Callable, arg: object = None) -> None:
+        heapq.heappush(self._events, (t_ms, next(self._seq), fn, arg))
+
+    def run(self, arrivals: Iterator[Arrival], duration_s: float,
+            progress: Callable[[float], None] | None = None) -> None:
+        """Simulate until `duration_s` (arrivals after it are not taken)."""
+        end_ms = duration_s * 1000.0
+        for w in self.workers:
+            self._at(0.0, self._heartbeat, w)
+            self._at(self.s.network_ms, self._pull, w)
+        self._at(self.s.housekeeping_ms, self._housekeeping)
+        self._at(0.0, self._sample)
+        nxt = next(arrivals, None)
+        next_progress_ms = 0.0
+        events = self._events
+        while True:
+            t_ev = events[0][0] if events else float("inf")
+            if nxt is not None and nxt.t_s * 1000.0 <= t_ev:
+                if nxt.t_s * 1000.0 > end_ms:
+                    nxt = None
+                    continue
+                self.now_ms = nxt.t_s * 1000.0
+                self._arrive(nxt)
+                nxt = next(arrivals, None)
+                continue
+            if t_ev > end_ms:
+                break
+            t, _, fn, arg = heapq.heappop(events)
+            self.now_ms = t
+            self.num_events += 1
+            fn(arg)
+            if progress is not None and t >= next_progress_ms:
+                progress(t / 1000.0)
+                next_progress_ms = t + 60_000.0
+        self.now_ms = end_ms
+
+    # --- dispatcher side --------------------------------------------------------------
+
+    def _arrive(self, a: Arrival) -> None:
+        self.num_arrivals += 1
+        tenant = self.tenants.names[a.tenant]
+        rid = f"q{self.num_arrivals}"
+        q = QueuedRequest(
+            request_id=rid, tenant=tenant, tier=self.tenants.tiers[self.tenants.tier_of[a.tenant]],
+            prompt_tokens=a.prompt_tokens, max_output_tokens=a.max_tokens,
+            expected_output_tokens=min(a.output_tokens, a.max_tokens)
+            if self.s.hint_output_tokens else a.max_tokens,
+            priority=a.priority, arrival_ms=self.now_ms)
+        q.payload = _Req(a, tenant)
+        self._apply(self.core.submit(q, self.now_ms))
+        self._serve_pulls()
+
+    def _apply(self, actions: list[act.Action]) -> None:
+        wake = False
+        for a in actions:
+            match a:
+                case act.SendError(code=code):
+                    r: _Req = a.request.payload
+                    self.sink.on_rejected(r.arrival.tenant, self.now_ms / 1000, code.value)
+                case act.CheckStarted():
+                    r = a.request.payload
+                    self._apply(self.core.on_start_checked(a.request.request_id, r.started,
+                                                           self.now_ms))
+                case act.Preempt(worker_id=worker_id, dispatch=d):
+                    self.num_preemptions += 1
+                    self._at(self.now_ms + self.s.network_ms, self._on_preempt_order,
+                             (self._by_id[worker_id], a.request.request_id, d))
+                case act.Requeued() | act.Released():
+                    wake = True
+                case _:
+                    pass  # Hold / Ack / Term / Nak / Defer / Adopted: JetStream bookkeeping
+        if wake:
+            self._serve_pulls()
+
+    def _maybe_preempt(self) -> None:
+        if self.scheduler.num_queued and not any(p[3] for p in self._pulls):
+            self._apply(self.core.preemptions(self.now_ms, 0))
+
+    def _serve_pulls(self) -> None:
+        now = self.now_ms
+        self._maybe_preempt()
+        if not self._pulls:
+            return
+        if self.scheduler.num_queued and len(self._pulls) > 1:
+            self._pulls = deque(sorted(self._pulls, key=lambda p: p[3] == 0))
+        pending: deque = deque()
+        while self._pulls:
+            p = self._pulls.popleft()
+            w, max_items, free_kv, _free_slots, expires_ms = p
+            items = self.core.select(w.worker_id, max_items, now, free_kv or None) \
+                if self.scheduler.num_queued else []
+            if items or now >= expires_ms:
+                self._at(now + self.s.network_ms, self._on_batch, (w, items))
+            else:
+                pending.append(p)
+        self._pulls = pending
+        self._maybe_preempt()
+
+    def _expire_pull(self, p: tuple) -> None:
+        if p in self._pulls:
+            self._pulls.remove(p)
+            self._at(self.now_ms + self.s.network_ms, self._on_batch, (p[0], []))
+
+    def _housekeeping(self, _: object) -> None:
+        self._apply(self.core.tick(self.now_ms))
+        self._maybe_preempt()
+        self._at(self.now_ms + self.s.housekeeping_ms, self._housekeeping)
+
+    def _sample(self, _: object) -> None:
+        depths = self.scheduler.tier_queue_depths()
+        queued = [depths.get(t, 0) for t in self.tenants.tiers]
+        running = sum(len(w.core.running) for w in self.workers)
+        busy = sum(1 for w in self.workers if w.core.running)
+        self.sink.sample(self.now_ms / 1000, queued, running, busy)
+        self._at(self.now_ms + self.s.sample_every_s * 1000, self._sample)
+
+    # --- messages arriving at the dispatcher --------------------------------------------
+
+    def _to_dispatcher(self, fn: Callable, arg: object) -> None:
+        self._at(self.now_ms + self.s.network_ms, fn, arg)
+
+    def _on_pull(self, p: tuple) -> None:
+        w = p[0]
+        self._apply(self.core.on_pull(w.worker_id, p[2], self.now_ms))
+        self._pulls.append(p)
+        self._at(p[4], self._expire_pull, p)
+        self._serve_pulls()
+
+    def _on_started(self, arg: tuple[_Worker, str]) -> None:
+        self._apply(self.core.on_started(arg[1], arg[0].worker_id, self.now_ms))
+
+    def _on_finished(self, arg: tuple[_Worker, str, ActualUsage]) -> None:
+        w, rid, usage = arg
+        self._apply(self.core.on_finished(rid, w.worker_id, usage, self.now_ms))
+        self._serve_pulls()
+
+    def _on_preempted(self, arg: tuple[_Worker, str, int]) -> None:
+        w, rid, num_generated = arg
+        self._apply(self.core.on_preempted(rid, w.worker_id, num_generated, self.now_ms))
+
+    def _on_heartbeat(self, arg: tuple[_Worker, list[str], list[str], EngineLoad]) -> None:
+        w, ids, started, load = arg
+        self._apply(self.core.on_heartbeat(
+            w.worker_id, ids, self.now_ms, interval_ms=self.s.heartbeat_ms, load=load,
+            started_ids=started))
+
+    # --- worker side -------------------------------------------------------------------
+
+    def _heartbeat(self, w: _Worker) -> None:
+        core = w.core
+        load = EngineLoad(num_running=len(core.running), num_waiting=core.num_waiting,
+                          max_num_seqs=core.max_num_seqs, kv_tokens_used=core.kv_tokens_used,
+                          kv_tokens_total=core.kv_tokens_total)
+        ids = list(w.seqs)
+        started = [rid for rid, s in w.seqs.items() if s.owner.started]
+        self._to_dispatcher(self._on_heartbeat, (w, ids, started, load))
+        self._at(self.now_ms + self.s.heartbeat_ms, self._heartbeat, w)
+
+    def _pull(self, w: _Worker) -> None:
+        """The worker's pull loop: ask for work when there is room (gpu_worker._room)."""
+        if w.pulling:
+            return
+        core = w.core
+        in_flight = max(len(w.seqs), len(core.running) + core.num_waiting)
+        room = core.max_num_seqs + self.s.prefetch_seqs - in_flight
+        if core.num_waiting > 0:
+            room = min(room, self.s.prefetch_seqs - core.num_waiting)
+        if room <= 0:
+            return  # asks again when a slot frees (a finish)
+        free_slots = max(0, core.max_num_seqs - in_flight)
+        free_kv = max(0, core.kv_tokens_total - core.kv_tokens_used)
+        w.pulling = True
+        t = self.now_ms + self.s.network_ms
+        self._at(t, self._on_pull, (w, room, free_kv, min(free_slots, room),
+                                    t + self.s.pull_wait_ms))
+
+    def _on_batch(self, arg: tuple[_Worker, list[Dispatch]]) -> None:
+        w, items = arg
+        w.pulling = False
+        for d in items:
+            self._accept(w, d)
+        self._pull(w)
+
+    def _accept(self, w: _Worker, d: Dispatch) -> None:
+        q = d.request
+        r: _Req = q.payload
+        r.started = False
+        a = r.arrival
+        seq = Seq(request_id=q.request_id, priority=d.engine_priority,
+                  num_prompt_tokens=a.prompt_tokens,
+                  target_output_tokens=max(1, min(a.output_tokens, a.max_tokens)),
+                  cache_key=(r.tenant, q.request_id), is_resume=r.num_generated > 0,
+                  num_output_tokens=r.num_generated, owner=r)
+        w.seqs[q.request_id] = seq
+        w.core.add(seq)
+        self._wake(w)
+
+    def _on_preempt_order(self, arg: tuple[_Worker, str, Dispatch | None]) -> None:
+        w, rid, replacement = arg
+        seq = w.seqs.get(rid)
+        if seq is not None and seq.state is not SeqState.FINISHED:
+            self._cut(w)
+            w.seqs.pop(rid)
+            w.core.release(seq)
+            r: _Req = seq.owner
+            r.num_generated = seq.num_output_tokens
+            r.preemptions += 1
+            self.sink.on_preempted(r.arrival.tenant, self.now_ms / 1000, 0)
+            self._to_dispatcher(self._on_preempted, (w, rid, seq.num_output_tokens))
+        if replacement is not None:
+            self._accept(w, replacement)
+        self._wake(w)
+
+    # --- the engine: steps and runs -------------------------------------------------------
+
+    def _wake(self, w: _Worker) -> None:
+        """New work for an idle engine starts a step now; a run in progress is cut at
+        its step in progress (the engine admits at the next step boundary)."""
+        if w.run is None:
+            self._start_steps(w)
+        else:
+            self._cut(w)
+
+    def _cut(self, w: _Worker) -> None:
+        run = w.run
+        if run is None or len(run.ends_ms) <= 1:
+            return
+        elapsed = self.now_ms - run.start_ms
+        done = sum(1 for e in run.ends_ms if e <= elapsed)
+        if done >= len(run.ends_ms):
+            return  # its end event is due now
+        if done:
+            w.core.run_steps(done, run.prefill_tokens)
+            # The step in progress had its KV growth (the first half of its schedule;
+            # within the run's room, so no KV preemption).
+            w.core.grow()
+            self._report_tokens(run.batch, run.start_ms, run.start_ms + run.ends_ms[done - 1],
+                                done)
+        step_start = run.start_ms + (run.ends_ms[done - 1] if done else 0.0)
+        step_end = run.start_ms + run.ends_ms[done]
+        w.version += 1
+        w.run = _Run(step_start, [step_end - step_start], 0 if done else run.prefill_tokens,
+                     list(w.core.running), w.version)
+        self._at(step_end, self._end_run, (w, w.version))
+
+    def _start_steps(self, w: _Worker) -> None:
+        core = w.core
+        prefill = core.schedule()
+        if not core.running:
+            w.run = None
+            return
+        # A step with admissions runs alone: its first tokens (Started) go out at its end.
+        k = 1 if prefill or not self.s.batch_runs else core.steps_until_change()
+        ends = core.run_ms(max(1, k), prefill)
+        w.version += 1
+        w.run = _Run(self.now_ms, ends, prefill, list(core.running), w.version)
+        self._at(self.now_ms + ends[-1], self._end_run, (w, w.version))
+
+    def _end_run(self, arg: tuple[_Worker, int]) -> None:
+        w, version = arg
+        run = w.run
+        if run is None or version != w.version:
+            return  # cut: a newer event ends the step in progress
+        w.run = None
+        core = w.core
+        k = len(run.ends_ms)
+        if k == 1:
+            got = core.end_step(run.batch, run.ends_ms[0])
+        else:
+            core.run_steps(k, run.prefill_tokens)
+            got = [s for s in run.batch if s.state is SeqState.RUNNING]
+        self._report_tokens(got, run.start_ms, self.now_ms, k)
+        for seq in got:
+            r: _Req = seq.owner
+            if not r.started:
+                r.started = True
+                if r.first_token_ms is None:
+                    r.first_token_ms = self.now_ms
+                    self.sink.on_first_token(r.arrival.tenant, self.now_ms / 1000,
+                                             (self.now_ms - r.arrival.t_s * 1000) / 1000)
+                self._to_dispatcher(self._on_started, (w, seq.request_id))
+            if seq.num_tokens_left <= 0:
+                self._finish(w, seq)
+        self._start_steps(w)
+        self._pull(w)
+
+    def _report_tokens(self, seqs: list[Seq], start_ms: float, end_ms: float, n: int) -> None:
+        for seq in seqs:
+            self.sink.on_tokens(seq.owner.arrival.tenant, start_ms / 1000, end_ms / 1000, n)
+
+    def _finish(self, w: _Worker, seq: Seq) -> None:
+        core = w.core
+        core.release(seq)
+        w.seqs.pop(seq.request_id, None)
+        r: _Req = seq.owner
+        a = r.arrival
+        e2e_s = (self.now_ms - a.t_s * 1000) / 1000
+        ttft_s = ((r.first_token_ms or self.now_ms) - a.t_s * 1000) / 1000
+        self.sink.on_finished(a.tenant, self.now_ms / 1000, e2e_s, ttft_s,
+                              seq.num_output_tokens, r.preemptions)
+        usage = ActualUsage(prompt_tokens=a.prompt_tokens,
+                            completion_tokens=seq.num_output_tokens - r.num_generated,
+                            kv_token_seconds=seq.kv_token_seconds, e2e_ms=e2e_s * 1000)
+        self._to_dispatcher(self._on_finished, (w, seq.request_id, usage))
