@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -116,7 +115,11 @@ class Fleet:
         self._by_id = {w.worker_id: w for w in self.workers}
         self._events: list[tuple[float, int, Callable, object]] = []
         self._seq = itertools.count()
-        self._pulls: deque[tuple[_Worker, int, int, int, float]] = deque()
+        # Waiting pulls, (worker, max_items, free KV, free slots, expires): those with a
+        # free slot are served first (dispatcher.service), each in arrival order.
+        self._pulls_free: dict[int, tuple[_Worker, int, int, int, float]] = {}
+        self._pulls_prefetch: dict[int, tuple[_Worker, int, int, int, float]] = {}
+        self._pull_ids = itertools.count()
         self._tier_index = {name: i for i, name in enumerate(tenants.tiers)}
         self.now_ms = 0.0
         self.num_events = 0
@@ -200,32 +203,26 @@ class Fleet:
             self._serve_pulls()
 
     def _maybe_preempt(self) -> None:
-        if self.scheduler.num_queued and not any(p[3] for p in self._pulls):
+        if self.scheduler.num_queued and not self._pulls_free:
             self._apply(self.core.preemptions(self.now_ms, 0))
 
     def _serve_pulls(self) -> None:
         now = self.now_ms
         self._maybe_preempt()
-        if not self._pulls:
-            return
-        if self.scheduler.num_queued and len(self._pulls) > 1:
-            self._pulls = deque(sorted(self._pulls, key=lambda p: p[3] == 0))
-        pending: deque = deque()
-        while self._pulls:
-            p = self._pulls.popleft()
-            w, max_items, free_kv, _free_slots, expires_ms = p
-            items = self.core.select(w.worker_id, max_items, now, free_kv or None) \
-                if self.scheduler.num_queued else []
-            if items or now >= expires_ms:
-                self._at(now + self.s.network_ms, self._on_batch, (w, items))
-            else:
-                pending.append(p)
-        self._pulls = pending
+        for pulls in (self._pulls_free, self._pulls_prefetch):
+            for key in list(pulls):
+                if not self.scheduler.num_queued:
+                    break  # the rest wait (their expiry events answer them)
+                w, max_items, free_kv, _free_slots, _expires_ms = pulls[key]
+                items = self.core.select(w.worker_id, max_items, now, free_kv or None)
+                if items:
+                    del pulls[key]
+                    self._at(now + self.s.network_ms, self._on_batch, (w, items))
         self._maybe_preempt()
 
-    def _expire_pull(self, p: tuple) -> None:
-        if p in self._pulls:
-            self._pulls.remove(p)
+    def _expire_pull(self, key: int) -> None:
+        p = self._pulls_free.pop(key, None) or self._pulls_prefetch.pop(key, None)
+        if p is not None:
             self._at(self.now_ms + self.s.network_ms, self._on_batch, (p[0], []))
 
     def _housekeeping(self, _: object) -> None:
@@ -249,8 +246,9 @@ class Fleet:
     def _on_pull(self, p: tuple) -> None:
         w = p[0]
         self._apply(self.core.on_pull(w.worker_id, p[2], self.now_ms))
-        self._pulls.append(p)
-        self._at(p[4], self._expire_pull, p)
+        key = next(self._pull_ids)
+        (self._pulls_free if p[3] else self._pulls_prefetch)[key] = p
+        self._at(p[4], self._expire_pull, key)
         self._serve_pulls()
 
     def _on_started(self, arg: tuple[_Worker, str]) -> None:
