@@ -7,6 +7,7 @@
     fairlane tenants check tenants.yaml          # validate a tenants file as the fleet does
     fairlane tenants schema                      # the tenants file's JSON Schema
     fairlane nats-config --tenants tenants.yaml  # NATS users: one per tenant, services
+    fairlane simulate workload.yaml --workers 64 # the scheduler over simulated GPUs
 
 `up` runs every part as a child process of its own and stops all of them on Ctrl-C
 or SIGTERM (SIGTERM, then SIGKILL after a grace period). Children also get SIGTERM
@@ -441,6 +442,12 @@ def cmd_nats_config(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_simulate(argv: list[str]) -> int:
+    from fairlane.simulate.cli import cmd_simulate as run
+
+    return run(argv)
+
+
 def cmd_tenants(argv: list[str]) -> int:
     from fairlane.tenants_tool import cmd_tenants as run
 
@@ -453,6 +460,8 @@ COMMANDS = {
     "usage": (cmd_usage, "export per-tenant usage totals for a period, as CSV or JSON"),
     "tenants": (cmd_tenants, "check a tenants file (tenants check FILE) or print its "
                              "JSON Schema (tenants schema)"),
+    "simulate": (cmd_simulate, "run a workload through the scheduler over N simulated "
+                               "GPUs, in virtual time (fairlane simulate --help)"),
     "nats-config": (cmd_nats_config, "write nats-server authorization: a user per tenant, "
                                      "least-privilege service users"),
 }

@@ -1,0 +1,138 @@
+"""`fairlane simulate`: a workload through the production scheduler over N simulated GPUs.
+
+    fairlane simulate bench/workloads/noisy_neighbor.yaml --workers 2 --out /tmp/sim
+    fairlane simulate bench/workloads/scale.yaml --workers 1000 --duration-s 600
+    fairlane simulate --usage usage.jsonl --workers 8     # replay FL_USAGE records
+
+Virtual time: an hour of fleet runs in minutes, deterministic for a seed. Writes
+simulate.md, simulate.json and PNG plots (share over time, TTFT CDF per tier and
+tenant, queue depth) into --out. What is and is not modelled: `fairlane.simulate.fleet`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+PROG = "fairlane simulate"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fairlane.simulate.fleet import FleetSettings
+
+    d = FleetSettings()
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workload", nargs="?", help="workload YAML file (bench/workloads/*.yaml)")
+    p.add_argument("--usage", metavar="JSONL",
+                   help="instead of a workload file: replay FL_USAGE records (one JSON "
+                        "Usage per line) as arrivals")
+    p.add_argument("--workers", type=int, default=d.num_workers, help="simulated GPU workers")
+    p.add_argument("--step-model", default=d.step_model,
+                   help="step-time model: a name under gpu_worker/sim/step_models or a path")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="batch slots per worker (default: the step model's)")
+    p.add_argument("--prefetch-seqs", type=int, default=d.prefetch_seqs,
+                   help="work a worker accepts beyond its batch cap (as gpu_worker)")
+    p.add_argument("--network-ms", type=float, default=d.network_ms,
+                   help="one dispatcher<->worker message's latency")
+    p.add_argument("--policy", choices=("fifo", "drr", "vtc"), default=None,
+                   help="override the workload's pool policy")
+    p.add_argument("--no-preemption", action="store_true",
+                   help="turn the pool's fleet-level preemption off")
+    p.add_argument("--hint-output-tokens", action="store_true",
+                   help="clients send expected_output_tokens = their real output length")
+    p.add_argument("--duration-s", type=float, default=None,
+                   help="simulated seconds (default: the workload's duration_s)")
+    p.add_argument("--seed", type=int, default=None, help="override the workload's seed")
+    p.add_argument("--window-s", type=float, default=10.0, help="share-over-time window")
+    p.add_argument("--detail-tenants", default="",
+                   help="comma-separated tenants to report one by one (besides the busiest)")
+    p.add_argument("--out", default="simulate-out", help="directory for the report and plots")
+    p.add_argument("--no-plots", action="store_true", help="markdown and JSON only")
+    return p
+
+
+def cmd_simulate(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if bool(args.workload) == bool(args.usage):
+        print(f"{PROG}: give a workload file or --usage FILE (one of them)", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print(f"{PROG}: --workers must be >= 1", file=sys.stderr)
+        return 2
+    from fairlane.simulate.fleet import Fleet, FleetSettings
+    from fairlane.simulate.recorder import Recorder
+    from fairlane.simulate.report import write_report
+    from fairlane.simulate.workload import WorkloadError, from_usage, load_workload
+
+    try:
+        wl = from_usage(args.usage) if args.usage else load_workload(args.workload)
+    except (OSError, WorkloadError, ValueError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    if args.seed is not None:
+        wl.seed = args.seed
+    duration_s = args.duration_s or wl.duration_s
+    wl.duration_s = duration_s
+    cfg = wl.scheduler_config
+    if args.policy:
+        cfg.policy = args.policy
+    if args.no_preemption:
+        cfg.preemption = msgspec.structs.replace(cfg.preemption, enabled=False)
+    settings = FleetSettings(num_workers=args.workers, step_model=args.step_model,
+                             max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
+                             network_ms=args.network_ms,
+                             hint_output_tokens=args.hint_output_tokens)
+    detail = [t for t in args.detail_tenants.split(",") if t]
+    try:
+        recorder = Recorder(wl.tenants, duration_s, args.window_s, detail_tenants=detail)
+        fleet = Fleet(cfg, wl.tenants, recorder, settings)
+    except (OSError, ValueError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: {len(wl.tenants):,} tenants, ~{wl.expected_requests():,.0f} requests, "
+          f"{args.workers} workers, {duration_s:g} simulated s", file=sys.stderr)
+    t0 = time.perf_counter()
+
+    def progress(t_s: float) -> None:
+        wall = time.perf_counter() - t0
+        print(f"  simulated {t_s:,.0f} s in {wall:,.1f} s wall", file=sys.stderr)
+
+    fleet.run(wl.arrivals(), duration_s, progress)
+    wall_s = time.perf_counter() - t0
+    # Peak RSS of this process (not tracemalloc: it would slow the run and inflate it).
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary = recorder.summary()
+    extra = {
+        "workload": args.usage or args.workload,
+        "workers": args.workers,
+        "step_model": args.step_model,
+        "policy": cfg.policy,
+        "preemption": "on" if cfg.preemption.enabled else "off",
+        "simulated_s": duration_s,
+        "wall_s": round(wall_s, 2),
+        "sim_s_per_wall_s": round(duration_s / wall_s, 2) if wall_s > 0 else None,
+        "arrivals": fleet.num_arrivals,
+        "events": fleet.num_events,
+        "preemptions_ordered": fleet.num_preemptions,
+        "recomputed_tokens": sum(w.core.num_recomputed_tokens for w in fleet.workers),
+        "peak_rss_mib": round(peak_rss_mib, 1),
+    }
+    command = "fairlane simulate " + shlex.join(argv)
+    try:
+        paths = write_report(summary, Path(args.out), command=command, extra_meta=extra,
+                             plots=not args.no_plots)
+    except RuntimeError as exc:  # matplotlib missing: md + json are written already
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        paths = [Path(args.out) / "simulate.md", Path(args.out) / "simulate.json"]
+    print(f"{PROG}: {duration_s:g} simulated s in {wall_s:.1f} s "
+          f"({extra['sim_s_per_wall_s']} sim-s per wall-s); wrote "
+          + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
