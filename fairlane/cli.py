@@ -443,9 +443,9 @@ def cmd_nats_config(argv: list[str]) -> int:
 
 
 def cmd_simulate(argv: list[str]) -> int:
-    from fairlane.simulate.cli import cmd_simulate as run
-
-    return run(argv)
+    # A package of its own (it runs the dispatcher's and the worker's cores, which the
+    # kernel must not import): run it as `up` runs the fleet's parts.
+    return subprocess.call([sys.executable, "-m", "fleetsim", *argv])
 
 
 def cmd_tenants(argv: list[str]) -> int:

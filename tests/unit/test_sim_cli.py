@@ -7,6 +7,7 @@ import json
 import pytest
 
 from fairlane.cli import main
+from fleetsim.cli import cmd_simulate
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -29,8 +30,8 @@ def run(tmp_path, *extra: str) -> dict:
     wl = tmp_path / "wl.yaml"
     wl.write_text(WORKLOAD)
     out = tmp_path / ("out" + "".join(extra).replace("-", "_"))
-    rc = main(["simulate", str(wl), "--workers", "2", "--max-num-seqs", "32",
-               "--out", str(out), "--no-plots", *extra])
+    rc = cmd_simulate([str(wl), "--workers", "2", "--max-num-seqs", "32",
+                       "--out", str(out), "--no-plots", *extra])
     assert rc == 0
     assert (out / "simulate.md").read_text().startswith("# fairlane simulate")
     return json.loads((out / "simulate.json").read_text())
@@ -49,10 +50,21 @@ def test_simulate_writes_a_report_and_preemption_serves_the_paid_tier(tmp_path):
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
-    assert main(["simulate"]) == 2
+    assert cmd_simulate([]) == 2
     assert "workload file or --usage" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("duration_s: 10\nclasses: [{name: x, arrival: {process: nope}}]\n")
-    assert main(["simulate", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert cmd_simulate([str(bad), "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.startswith("fairlane simulate:")
-    assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
+    assert cmd_simulate([str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_the_fairlane_command_runs_it(tmp_path):
+    """`fairlane simulate` runs `python -m fleetsim` (the kernel imports no process
+    package, and the simulator runs two of them)."""
+    wl = tmp_path / "wl.yaml"
+    wl.write_text(WORKLOAD)
+    assert main(["simulate", str(wl), "--duration-s", "5", "--out", str(tmp_path / "o"),
+                 "--no-plots"]) == 0
+    assert (tmp_path / "o" / "simulate.json").is_file()
+    assert main(["simulate", "--workers", "0", str(wl)]) == 2

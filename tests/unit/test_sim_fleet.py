@@ -1,4 +1,4 @@
-"""The fleet simulator's event loop (fairlane.simulate.fleet) over the real PoolCore.
+"""The fleet simulator's event loop (fleetsim.fleet) over the real PoolCore.
 
 Pure and fast: no processes, virtual time. Checks that nothing is lost, that skipping
 runs of engine steps changes nothing, and that the product's policies show through
@@ -13,8 +13,8 @@ from collections import defaultdict
 import pytest
 
 from fairlane.poolconfig import PreemptionConfig, SchedulerConfig, TenantConfig
-from fairlane.simulate.fleet import Fleet, FleetSettings
-from fairlane.simulate.records import Arrival, TenantTable
+from fleetsim.fleet import Fleet, FleetSettings
+from fleetsim.records import Arrival, TenantTable
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

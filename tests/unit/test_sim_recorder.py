@@ -1,4 +1,4 @@
-"""The simulator's statistics (fairlane.simulate.recorder) and its report (report.py)."""
+"""The simulator's statistics (fleetsim.recorder) and its report (report.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from fairlane.simulate.recorder import QUANTILES, LogHist, Recorder, min_samples
-from fairlane.simulate.records import TenantTable
-from fairlane.simulate.report import compare_table, fmt_quantile, write_report
+from fleetsim.recorder import QUANTILES, LogHist, Recorder, min_samples
+from fleetsim.records import TenantTable
+from fleetsim.report import compare_table, fmt_quantile, write_report
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -1,4 +1,4 @@
-"""The simulator's workloads (fairlane.simulate.workload / processes): arrival processes,
+"""The simulator's workloads (fleetsim.workload / processes): arrival processes,
 length distributions, the scheduler config, FL_USAGE replay, and scale. Validation
 errors: test_sim_workload_errors.py."""
 
@@ -18,14 +18,14 @@ import pytest
 
 from fairlane.poolconfig import PreemptionConfig, TenantConfig
 from fairlane.protocol import Usage
-from fairlane.simulate.processes import parse_dist
-from fairlane.simulate.workload import (
+from fairlane.tenants import resolve_pool_config, tenants_from_dict
+from fleetsim.processes import parse_dist
+from fleetsim.workload import (
     WorkloadError,
     from_usage,
     load_workload,
     workload_from_dict,
 )
-from fairlane.tenants import resolve_pool_config, tenants_from_dict
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

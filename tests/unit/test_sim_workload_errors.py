@@ -1,11 +1,11 @@
 """The simulator's workload validation: every error names its field path
-(fairlane.simulate.workload / processes; the rest is in test_sim_workload.py)."""
+(fleetsim.workload / processes; the rest is in test_sim_workload.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from fairlane.simulate.workload import WorkloadError, workload_from_dict
+from fleetsim.workload import WorkloadError, workload_from_dict
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

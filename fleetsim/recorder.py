@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fairlane.simulate.records import TenantTable
+from fleetsim.records import TenantTable
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p99": 0.99, "p999": 0.999}

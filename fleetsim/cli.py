@@ -6,7 +6,7 @@
 
 Virtual time: an hour of fleet runs in minutes, deterministic for a seed. Writes
 simulate.md, simulate.json and PNG plots (share over time, TTFT CDF per tier and
-tenant, queue depth) into --out. What is and is not modelled: `fairlane.simulate.fleet`.
+tenant, queue depth) into --out. What is and is not modelled: `fleetsim.fleet`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ PROG = "fairlane simulate"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fairlane.simulate.fleet import FleetSettings
+    from fleetsim.fleet import FleetSettings
 
     d = FleetSettings()
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
@@ -67,10 +67,10 @@ def cmd_simulate(argv: list[str]) -> int:
     if args.workers < 1:
         print(f"{PROG}: --workers must be >= 1", file=sys.stderr)
         return 2
-    from fairlane.simulate.fleet import Fleet, FleetSettings
-    from fairlane.simulate.recorder import Recorder
-    from fairlane.simulate.report import write_report
-    from fairlane.simulate.workload import WorkloadError, from_usage, load_workload
+    from fleetsim.fleet import Fleet, FleetSettings
+    from fleetsim.recorder import Recorder
+    from fleetsim.report import write_report
+    from fleetsim.workload import WorkloadError, from_usage, load_workload
 
     try:
         wl = from_usage(args.usage) if args.usage else load_workload(args.workload)

@@ -48,7 +48,7 @@ def _harness() -> ModuleType | None:
         return harness
     except ImportError:
         pass
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     if not (root / "bench" / "harness.py").is_file():
         return None
     sys.path.append(str(root))

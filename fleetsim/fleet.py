@@ -35,7 +35,7 @@ from dispatcher.scheduler.pool import PoolCore
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
-from fairlane.simulate.records import Arrival, Sink, TenantTable
+from fleetsim.records import Arrival, Sink, TenantTable
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
 

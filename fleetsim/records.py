@@ -24,7 +24,7 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int  # what the model would generate if not cut (natural length)
     max_tokens: int  # the request's cap; generated = min(output_tokens, max_tokens)
-    priority: int = 0  # within the tenant (lower first), as InferenceRequest.priority
+    priority: int = 0  # within the tenant (higher first), as InferenceRequest.priority
 
 
 @dataclass(slots=True)

@@ -49,7 +49,14 @@ import yaml
 
 from fairlane.poolconfig import SchedulerConfig, TenantConfig
 from fairlane.protocol import ID_PATTERN, Usage
-from fairlane.simulate.processes import (
+from fairlane.tenants import (
+    TenantsFile,
+    TenantsFileError,
+    _UniqueKeyLoader,
+    resolve_pool_config,
+    tenants_from_dict,
+)
+from fleetsim.processes import (
     Dist,
     Fields,
     Process,
@@ -58,14 +65,7 @@ from fairlane.simulate.processes import (
     parse_dist,
     parse_process,
 )
-from fairlane.simulate.records import Arrival, TenantTable
-from fairlane.tenants import (
-    TenantsFile,
-    TenantsFileError,
-    _UniqueKeyLoader,
-    resolve_pool_config,
-    tenants_from_dict,
-)
+from fleetsim.records import Arrival, TenantTable
 
 __all__ = ["TrafficClass", "Workload", "WorkloadError", "from_usage", "load_workload",
            "workload_from_dict"]
