@@ -5,7 +5,7 @@ prefix cache, exactly as `gpu_worker.sim.engine` describes them. Two drivers sha
 
 - `SimEngine` (asyncio, real or scaled time) runs one step at a time and turns each
   sequence's new token into text for its stream;
-- the fleet simulator (`fairlane.simulate.fleet`, virtual time) also runs whole runs of
+- the fleet simulator (`fleetsim.fleet`, virtual time) also runs whole runs of
   steps at once (`steps_until_change` / `run_steps`) while nothing can change the
   batch, so an hour of 1,000 engines costs events per request, not per token.
 
