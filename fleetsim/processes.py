@@ -21,20 +21,16 @@ from collections.abc import Iterator
 from itertools import accumulate
 from typing import Any
 
+from fairlane.tenants_schema import TenantsFileError
+
 PROCESSES = ("poisson", "burst", "on_off", "diurnal")
 DISTS = ("fixed", "uniform", "lognormal", "normal", "choice", "empirical")
 DAY_S = 86_400.0
 
 
-class WorkloadError(ValueError):
-    """The workload cannot be used. The message names the source and the field path."""
-
-    def __init__(self, source: str, path: str, message: str) -> None:
-        self.source = source
-        self.path = path
-        self.detail = message
-        where = f"{path}: " if path else ""
-        super().__init__(f"{source}: {where}{message}")
+class WorkloadError(TenantsFileError):
+    """The workload cannot be used. The message names the source and the field path
+    (the tenants file's error, whose sections a workload file shares)."""
 
 
 def kind_of(obj: Any) -> str:
