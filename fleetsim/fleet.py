@@ -36,6 +36,7 @@ from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
 from fleetsim.records import Arrival, Sink, TenantTable
+from gpu_worker.room import pull_room
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
 
@@ -272,32 +273,29 @@ class Fleet:
     # --- worker side -------------------------------------------------------------------
 
     def _heartbeat(self, w: _Worker) -> None:
-        core = w.core
-        load = EngineLoad(num_running=len(core.running), num_waiting=core.num_waiting,
-                          max_num_seqs=core.max_num_seqs, kv_tokens_used=core.kv_tokens_used,
-                          kv_tokens_total=core.kv_tokens_total)
+        load = self._load(w.core)
         ids = list(w.seqs)
         started = [rid for rid, s in w.seqs.items() if s.owner.started]
         self._to_dispatcher(self._on_heartbeat, (w, ids, started, load))
         self._at(self.now_ms + self.s.heartbeat_ms, self._heartbeat, w)
 
+    @staticmethod
+    def _load(core: BatchCore) -> EngineLoad:
+        return EngineLoad(num_running=len(core.running), num_waiting=core.num_waiting,
+                          max_num_seqs=core.max_num_seqs, kv_tokens_used=core.kv_tokens_used,
+                          kv_tokens_total=core.kv_tokens_total)
+
     def _pull(self, w: _Worker) -> None:
-        """The worker's pull loop: ask for work when there is room (gpu_worker._room)."""
+        """The worker's pull loop: ask for work when there is room (`gpu_worker.room`)."""
         if w.pulling:
             return
-        core = w.core
-        in_flight = max(len(w.seqs), len(core.running) + core.num_waiting)
-        room = core.max_num_seqs + self.s.prefetch_seqs - in_flight
-        if core.num_waiting > 0:
-            room = min(room, self.s.prefetch_seqs - core.num_waiting)
+        room, free_slots, free_kv = pull_room(self._load(w.core), len(w.seqs),
+                                              w.core.max_num_seqs, self.s.prefetch_seqs)
         if room <= 0:
             return  # asks again when a slot frees (a finish)
-        free_slots = max(0, core.max_num_seqs - in_flight)
-        free_kv = max(0, core.kv_tokens_total - core.kv_tokens_used)
         w.pulling = True
         t = self.now_ms + self.s.network_ms
-        self._at(t, self._on_pull, (w, room, free_kv, min(free_slots, room),
-                                    t + self.s.pull_wait_ms))
+        self._at(t, self._on_pull, (w, room, free_kv, free_slots, t + self.s.pull_wait_ms))
 
     def _on_batch(self, arg: tuple[_Worker, list[Dispatch]]) -> None:
         w, items = arg
@@ -334,7 +332,6 @@ class Fleet:
             self._to_dispatcher(self._on_preempted, (w, rid, seq.num_output_tokens))
         if replacement is not None:
             self._accept(w, replacement)
-        self._wake(w)
 
     # --- the engine: steps and runs -------------------------------------------------------
 

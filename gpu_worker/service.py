@@ -51,6 +51,7 @@ from gpu_worker.epoch import EpochGuard
 from gpu_worker.inflight import InFlight, mono_s
 from gpu_worker.lease import WorkerLease, new_incarnation
 from gpu_worker.metrics import WorkerMetrics
+from gpu_worker.room import pull_room
 from gpu_worker.serving import RequestServing
 
 log = structlog.get_logger(__name__)
@@ -228,16 +229,8 @@ class Worker(RequestServing):
     def _room(self) -> tuple[int, int, int]:
         """(how many items to ask for, of those how many would start at once, free KV
         tokens). Raises EngineDead."""
-        load = self.engine.load()
-        in_flight = max(len(self._reqs), load.num_running + load.num_waiting)
-        free_slots = max(0, self.s.max_num_seqs - in_flight)
-        room = self.s.max_num_seqs + self.s.prefetch_seqs - in_flight
-        # Work already queued inside the engine (slot- or KV-bound) is placed early;
-        # keep that queue to at most the prefetch, so decisions stay late.
-        if load.num_waiting > 0:
-            room = min(room, self.s.prefetch_seqs - load.num_waiting)
-        free_kv = max(0, load.kv_tokens_total - load.kv_tokens_used)
-        return room, min(free_slots, max(room, 0)), free_kv
+        return pull_room(self.engine.load(), len(self._reqs), self.s.max_num_seqs,
+                         self.s.prefetch_seqs)
 
     async def _pull_loop(self) -> None:
         assert self._nc is not None
