@@ -19,6 +19,7 @@ import structlog
 from fairlane.protocol import Continuation, ErrorInfo, encode
 from fairlane.runtime import now_ms
 from fairlane.subjects import REPLY_HEADER
+from producer.auth import guard_publish
 from producer.watch import dedupe_key
 
 if TYPE_CHECKING:
@@ -56,10 +57,14 @@ async def resume_stream(client: FairlaneClient, stream: RequestStream, error: Er
     client._streams[req.request_id] = stream
     try:
         subject = client.subjects.request(req.pool, req.tier, req.tenant)
-        ack = await client.js.publish(subject, encode(req), headers={
-            "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
-            REPLY_HEADER: req.reply_to,
-        })
+        # As a first submit: a publish whose PubAck was lost (a stream-leader election)
+        # is sent again with the same message id, never turned into yet another attempt
+        # (which would run beside this one if it was stored).
+        ack = await guard_publish(client.nc, subject, lambda: client.js.publish(
+            subject, encode(req), headers={
+                "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
+                REPLY_HEADER: req.reply_to,
+            }))
     except Exception as exc:  # the broker refused it: the caller gets the error
         log.warning("stream_resume_failed", request_id=req.request_id, error=repr(exc))
         stream.failure = error
