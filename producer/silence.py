@@ -105,7 +105,8 @@ class SilenceWatch:
             stream._unvouched_since_s = stream._last_chunk_s
         silent_s = asyncio.get_running_loop().time() - stream._unvouched_since_s
         action, error = silence_action(status, silent_s, self.max_silence_s,
-                                       started=stream._next_seq > stream._resumed_at_seq)
+                                       started=stream._next_seq > stream._resumed_at_seq,
+                                       attempt=stream.attempt)
         if action is Action.WAIT:
             stream._last_chunk_s = asyncio.get_running_loop().time()
             stream._unvouched_since_s = None

@@ -36,8 +36,8 @@ class Action(enum.StrEnum):
     REPUBLISH = "republish"  # duplicate publish of an ended request: attempt + 1
 
 
-def silence_action(status: RequestStatus | None, silent_s: float,
-                   max_silence_s: float, started: bool = True) -> tuple[Action, ErrorInfo | None]:
+def silence_action(status: RequestStatus | None, silent_s: float, max_silence_s: float,
+                   started: bool = True, attempt: int = 0) -> tuple[Action, ErrorInfo | None]:
     """What a stream with no chunk for `silent_s` does, given the status answer.
 
     `started`: a chunk of the request's current attempt has arrived. A request not yet
@@ -46,7 +46,15 @@ def silence_action(status: RequestStatus | None, silent_s: float,
     `ack_wait`, so "unknown" is waited out (up to twice `max_silence_s`, which covers
     the default 30 s ack_wait) instead of resumed as a new attempt — the old one would
     run too once it comes back to a dispatcher that never saw the new one end.
+
+    `attempt`: the stream's current attempt. A status of an earlier attempt (a resumed
+    stream whose new attempt the dispatcher has not ingested yet: its consumer was
+    reconnecting after a NATS node died) says nothing of this one: it counts as
+    "unknown", never as this attempt's end.
     """
+    if status is not None and status.attempt < attempt:
+        status = RequestStatus(request_id=status.request_id, state=RequestState.UNKNOWN,
+                               attempt=status.attempt)
     if status is not None and status.state == RequestState.UNKNOWN and not started:
         if silent_s < 2 * max_silence_s:
             return Action.ASK_AGAIN, None

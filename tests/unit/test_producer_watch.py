@@ -45,6 +45,19 @@ def test_silence_unknown_before_any_chunk_is_waited_out_as_jetstream_redelivers(
     assert action is Action.FAIL and err.code is ErrorCode.STREAM_LOST
 
 
+@pytest.mark.parametrize("earlier", [
+    st("ended"), st("ended", error=ErrorInfo.of(ErrorCode.CANCELLED, "gap")), st("running")])
+def test_silence_status_of_an_earlier_attempt_waits_for_the_current_one(earlier) -> None:
+    """A resumed stream (attempt 1) whose dispatcher still answers for attempt 0 (it has
+    not ingested attempt 1 yet): never the current attempt's end, never a new attempt."""
+    assert silence_action(earlier, 3.0, 30.0, started=False, attempt=1) == (
+        Action.ASK_AGAIN, None)
+    action, error = silence_action(earlier, 61.0, 30.0, started=False, attempt=1)
+    assert action is Action.FAIL and error.code == ErrorCode.STREAM_LOST
+    assert silence_action(earlier, 3.0, 30.0, started=False, attempt=0)[0] in (
+        Action.FAIL, Action.WAIT)
+
+
 def test_silence_no_answer_asks_again_until_max_silence() -> None:
     assert silence_action(None, 29.9, 30.0) == (Action.ASK_AGAIN, None)
     action, err = silence_action(None, 30.0, 30.0)
