@@ -197,6 +197,12 @@ class TokenChunk(Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: ErrorInfo | None = None
+    # The attempt (InferenceRequest.attempt) the sender served; None from a sender that
+    # does not say (older workers, the dispatcher's error chunks). A receiver that has
+    # moved on to a later attempt drops a stamped chunk of an earlier one: a worker cut
+    # off by a partition can deliver its last chunks after the heal, when the client
+    # already resumed elsewhere, and they must not mix into the new attempt's stream.
+    attempt: int | None = None
 
     @property
     def is_last(self) -> bool:

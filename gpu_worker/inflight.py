@@ -116,6 +116,7 @@ class InFlight:
             finish_reason=finish_reason,
             usage=usage,
             error=error,
+            attempt=req.attempt,
         )
         self.next_seq += 1
         self.buf_text.clear()

@@ -387,13 +387,28 @@ class FairlaneClient(SilenceWatch):
         try:
             # Bounded: every duplicate answer either attaches, fails or moves on.
             for _ in range(4):
-                ack = await guard_publish(self.nc, subject, lambda: self.js.publish(
-                    subject, encode(req), headers={
+                num_sends = 0
+
+                def send():
+                    nonlocal num_sends
+                    num_sends += 1
+                    return self.js.publish(subject, encode(req), headers={
                         "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
                         # Lets the dispatcher answer even if the body arrives unreadable.
-                        REPLY_HEADER: req.reply_to}))
+                        REPLY_HEADER: req.reply_to})
+
+                ack = await guard_publish(self.nc, subject, send)
                 self._remember(req.request_id, req.attempt)
                 if not getattr(ack, "duplicate", False):
+                    break
+                if num_sends > 1:
+                    # guard_publish sent this attempt again (its PubAck was lost: a
+                    # leader election, a node cut off): the copy JetStream kept is our
+                    # own, and its tokens come to this stream whatever the dispatcher
+                    # says of it yet (it may not have ingested it, and "unknown" must
+                    # not make it a second attempt that would run beside the first).
+                    log.info("publish_duplicate_of_own_resend", request_id=req.request_id,
+                             attempt=req.attempt)
                     break
                 status = await self.request_status(req.pool, req.request_id, req.tenant)
                 action, error = duplicate_action(status, req.attempt, ours)

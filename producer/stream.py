@@ -80,6 +80,7 @@ class RequestStream:
     _resumed_at_seq: int = 0  # the current attempt's first seq (0 unless resumed)
     _wants_token_ids: bool = True
     num_resumes: int = 0
+    num_stale_chunks: int = 0  # chunks of an earlier attempt, dropped
 
     @property
     def is_done(self) -> bool:
@@ -98,6 +99,11 @@ class RequestStream:
     def _offer(self, chunk: TokenChunk) -> None:
         """Called by the relay for every chunk of this request (any order)."""
         if self._done or self.failure is not None:
+            return
+        if chunk.attempt is not None and chunk.attempt < self.attempt:
+            # A late chunk of an attempt this stream already left (its worker was cut
+            # off, then healed): the current attempt's stream is what the caller reads.
+            self.num_stale_chunks += 1
             return
         self._last_chunk_s = asyncio.get_running_loop().time()
         self._unvouched_since_s = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats
 import pytest
 
 from dispatcher.config import DispatcherSettings
@@ -163,3 +164,31 @@ async def test_resubmitting_a_finished_request_id_is_answered_not_generated_twic
     assert err.value.code is ErrorCode.DUPLICATE and "finished" in err.value.message
     await nc.flush()
     assert started.count("same-id-1") == 1
+
+
+async def test_duplicate_of_our_own_resend_attaches_not_a_second_attempt(fleet, nc):
+    """A publish whose PubAck is lost (a stream-leader election, a node cut off) is
+    sent again with the same message id; when the first copy was stored, JetStream
+    answers the second as a duplicate. That copy is the client's own: the submit
+    attaches to it, even while no dispatcher knows the request yet, instead of failing
+    with `duplicate` or publishing a second attempt that would run beside it (the
+    partition chaos run found both)."""
+    client, subjects = fleet
+    real_publish = client.js.publish
+    calls: list[dict] = []
+
+    async def publish_losing_first_ack(subject, payload, **kw):
+        calls.append(kw.get("headers") or {})
+        ack = await real_publish(subject, payload, **kw)
+        if len(calls) == 1:
+            raise nats.errors.TimeoutError  # stored, but the PubAck never came
+        return ack
+
+    client.js.publish = publish_losing_first_ack
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=8,
+                                      expected_output_tokens=8))
+    done = await asyncio.wait_for(stream.collect(), 20)
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert stream.attempt == 0 and stream.num_resumes == 0
+    # Both sends carried attempt 0's message id; nothing was published as attempt 1.
+    assert [h["Nats-Msg-Id"] for h in calls] == [stream.request_id] * 2
