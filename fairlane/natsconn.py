@@ -83,9 +83,10 @@ def connect_options(s: Any, *, inbox_prefix: str | None = None) -> dict[str, Any
     """nats.connect keywords for settings carrying `NatsConnSettings` fields (and
     ``nats_url``): servers, user and password, TLS, the request inbox prefix, and the
     ping interval that notices a dead node."""
-    opts: dict[str, Any] = {
-        "ping_interval": s.nats_ping_interval_s,
-        "max_outstanding_pings": s.nats_max_outstanding_pings,
+    opts: dict[str, Any] = {  # (settings without these fields get the defaults)
+        "ping_interval": getattr(s, "nats_ping_interval_s", DEFAULT_PING_INTERVAL_S),
+        "max_outstanding_pings": getattr(s, "nats_max_outstanding_pings",
+                                         DEFAULT_MAX_OUTSTANDING_PINGS),
     }
     if getattr(s, "nats_url", ""):
         opts["servers"] = server_urls(s.nats_url)
