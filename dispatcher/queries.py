@@ -72,7 +72,10 @@ async def answer_status(d: Dispatcher, msg: Msg) -> None:
 def _status(d: Dispatcher, request_id: str, now: float) -> RequestStatus:
     st = d.core.status(request_id, now)
     err = st.error
+    req = d.scheduler.queued_request(request_id) or d.scheduler.in_flight_request(request_id)
+    held = req.payload if req is not None else None
     return RequestStatus(
         request_id=request_id, state=st.state.value, attempt=st.attempt,
         worker_id=st.worker_id,
-        error=err and ErrorInfo.of(err.code, err.message, err.retry_after_ms))
+        error=err and ErrorInfo.of(err.code, err.message, err.retry_after_ms),
+        reply_to=held.request.reply_to if held is not None else "")

@@ -352,6 +352,9 @@ class RequestStatus(Struct, kw_only=True, omit_defaults=True):
     attempt: int = 0
     worker_id: str = ""
     error: ErrorInfo | None = None  # ENDED: how it failed (None: finished normally)
+    # QUEUED/RUNNING: where its tokens go, so a client whose publish was answered
+    # "duplicate" can tell its own earlier copy (attach) from another client's.
+    reply_to: str = ""
 
 
 class StatusBatch(Struct, kw_only=True):

@@ -38,6 +38,7 @@ from fairlane.protocol import (
     PoolInfoRequest,
     ProtocolError,
     RequestState,
+    RequestStatus,
     SamplingParams,
     decode_chunk,
     decode_pool_info,
@@ -48,7 +49,7 @@ from fairlane.runtime import cancel_and_wait, now_ms
 from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_id
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
-from producer.auth import connect_client, guard_publish
+from producer.auth import FAILOVER_RETRY_S, connect_client, guard_publish
 from producer.migrate import resume_stream
 from producer.silence import SilenceWatch
 from producer.spec import RequestSpec, new_request_id
@@ -371,6 +372,20 @@ class FairlaneClient(SilenceWatch):
                 return
             await asyncio.sleep(0.05)
 
+    async def _status_of_stored(self, req: InferenceRequest) -> RequestStatus | None:
+        """The status of the copy JetStream kept when our publish was answered
+        "duplicate". A copy stored moments ago (a publish flushed late after a failover)
+        may not be ingested yet: asked again for a while, so "nobody knows it" is not
+        taken for "ended" (a second attempt) or for another client's (`duplicate`)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FAILOVER_RETRY_S
+        while True:
+            st = await self.request_status(req.pool, req.request_id, req.tenant)
+            known = st is not None and st.state != RequestState.UNKNOWN
+            if known or loop.time() >= deadline:
+                return st
+            await asyncio.sleep(0.25)
+
     async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.
         stream = RequestStream(req.request_id, req.tenant, req.pool, self,
@@ -410,7 +425,9 @@ class FairlaneClient(SilenceWatch):
                     log.info("publish_duplicate_of_own_resend", request_id=req.request_id,
                              attempt=req.attempt)
                     break
-                status = await self.request_status(req.pool, req.request_id, req.tenant)
+                status = await self._status_of_stored(req)
+                if status is not None and status.reply_to == req.reply_to:
+                    ours = True  # our own earlier copy (e.g. flushed late by a failover)
                 action, error = duplicate_action(status, req.attempt, ours)
                 log.info("publish_duplicate", request_id=req.request_id,
                          attempt=req.attempt, action=str(action),

@@ -192,3 +192,25 @@ async def test_duplicate_of_our_own_resend_attaches_not_a_second_attempt(fleet, 
     assert stream.attempt == 0 and stream.num_resumes == 0
     # Both sends carried attempt 0's message id; nothing was published as attempt 1.
     assert [h["Nats-Msg-Id"] for h in calls] == [stream.request_id] * 2
+
+
+async def test_duplicate_of_our_copy_flushed_behind_our_back_attaches(fleet, nc):
+    """The copy JetStream kept may be ours without guard_publish having sent it twice:
+    nats-py flushes a publish buffered while its node was cut off once it has failed
+    over, and the wait for that publish's PubAck then ends in a re-send. The status of
+    the stored copy names its reply subject: ours, so the submit attaches."""
+    client, subjects = fleet
+    real_publish = client.js.publish
+
+    async def publish_after_an_early_copy(subject, payload, **kw):
+        # The same message, stored first (as the late flush would store it).
+        await nc.publish(subject, payload, headers=kw.get("headers"))
+        await nc.flush()
+        return await real_publish(subject, payload, **kw)
+
+    client.js.publish = publish_after_an_early_copy
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=8,
+                                      expected_output_tokens=8))
+    done = await asyncio.wait_for(stream.collect(), 20)
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert stream.attempt == 0 and stream.num_resumes == 0
