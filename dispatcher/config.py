@@ -46,6 +46,9 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     stop_timeout_s: float = 10.0  # bound on a graceful stop (NATS may be gone)
     max_tokens: PositiveInt = 4096  # largest max_tokens a request may ask for
     max_prompt_chars: PositiveInt = 200_000  # longest prompt accepted, in characters
+    # How often the leader publishes the pool's stats snapshot on <prefix>.stats.<pool>
+    # (the streamer's admin dashboard reads it); 0 = never.
+    stats_interval_s: float = 1.0
     metrics_port: int = 0  # port of the Prometheus /metrics endpoint; 0 = none
     metrics_host: str = "127.0.0.1"  # /metrics address: 0.0.0.0 in a container
     log_level: LogLevel = "info"  # least severe log level written

@@ -33,6 +33,15 @@ class Held:
     request: InferenceRequest
     touched_ms: float  # last delivery or in_progress, monotonic
     settled: bool = False
+    # Its message's ``traceparent`` header ("": none), for its WorkItem and log lines.
+    traceparent: str = ""
+
+    @property
+    def ids(self) -> dict[str, str]:
+        """``request_id`` (and ``traceparent``, if any): keys for its log lines."""
+        if self.traceparent:
+            return {"request_id": self.request.request_id, "traceparent": self.traceparent}
+        return {"request_id": self.request.request_id}
 
 
 class HeldMessages:
@@ -127,6 +136,7 @@ def work_item(d: Dispatch, now: float, epoch_ms: int) -> WorkItem:
         dispatched_ms=epoch_ms, queue_ms=queue_ms, cache_salt=held.request.tenant,
         # A continuation's message was acked when it first started.
         ack_subject=None if held.settled else (held.msg.reply or None),
+        traceparent=held.traceparent,
     )
 
 

@@ -27,6 +27,7 @@ from fairlane.protocol import (
 )
 from fairlane.runtime import mono_ms, now_ms
 from fairlane.subjects import Subjects, reply_of
+from fairlane.trace import TRACEPARENT_HEADER, parse_traceparent
 from fairlane.validation import check_request, estimate_prompt_tokens
 
 if TYPE_CHECKING:
@@ -182,6 +183,9 @@ class Ingest:
 
     async def _ingest(self, msg: Msg) -> None:
         metrics.INGESTED.inc()
+        # Read before the message is held (holding drops its headers); an invalid one
+        # (a tenant may publish its own requests) is dropped, never an error.
+        traceparent = parse_traceparent((msg.headers or {}).get(TRACEPARENT_HEADER)) or ""
         try:
             req = decode_request(msg.data)
             pool, tier, tenant = Subjects.parse_request(msg.subject)
@@ -203,7 +207,7 @@ class Ingest:
                             request_id=rid, reply_to=reply)
                 reply = None
             log.warning("request_refused", subject=msg.subject, request_id=rid,
-                        code=exc.code.value, error=exc.message)
+                        code=exc.code.value, error=exc.message, traceparent=traceparent or None)
             metrics.REJECTED.labels(reason=exc.code.value).inc()
             if reply:
                 await self._send_error(reply, rid or "", exc.info())
@@ -219,6 +223,8 @@ class Ingest:
         if live is not None and req.attempt <= live.attempt:
             await self._duplicate_of_live(msg, req, live.payload.request)
             return
+        log.debug("request_received", request_id=req.request_id, tenant=tenant, tier=tier,
+                  attempt=req.attempt, traceparent=traceparent or None)
 
         now = mono_ms()
         deadline = None
@@ -236,7 +242,7 @@ class Ingest:
             priority=req.priority, arrival_ms=now, deadline_ms=deadline,
             ttft_budget_ms=req.ttft_budget_ms, attempt=req.attempt,
         )
-        q.payload = Held(msg, req, now)
+        q.payload = Held(msg, req, now, traceparent=traceparent)
         await self._apply(self.core.submit(q, now, redelivered=_redelivered(msg)))
 
 

@@ -32,6 +32,7 @@ from dispatcher.queries import answer_info, answer_status
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
+from dispatcher.stats_publisher import publish_stats
 from fairlane.natsconn import connect_options
 from fairlane.poolconfig import SchedulerConfig, check_policy
 from fairlane.protocol import (
@@ -166,6 +167,7 @@ class Dispatcher(Ingest):
             self.subjects.status(s.pool), queue="dispatchers", cb=partial(answer_status, self)))
         self._tasks.append(asyncio.create_task(self._match_loop()))
         self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
+        self._tasks.append(asyncio.create_task(publish_stats(self)))  # fl.stats.<pool>
         self.janitor = Janitor(
             self.js, self.subjects, s.pool, lambda: [t.name for t in self.scheduler.config.tiers],
             self.nc.publish, stranded_after_s=s.stranded_after_s,
@@ -428,7 +430,7 @@ class Dispatcher(Ingest):
                     self._held.hold(held)
                 case act.Ack(reason=reason):
                     if reason != "started":
-                        log.info("request_settled", request_id=held.request.request_id,
+                        log.info("request_settled", **held.ids,
                                  reason=reason)
                     await self._held.settle(held, "ack")
                 case act.Term(reason=reason):
@@ -441,7 +443,7 @@ class Dispatcher(Ingest):
                 case act.CheckStarted(reason=reason):
                     self._spawn(self._check_started(held, reason))
                 case act.Preempt(worker_id=worker_id, for_request=waiting, dispatch=d):
-                    log.info("preempt_ordered", request_id=held.request.request_id,
+                    log.info("preempt_ordered", **held.ids,
                              tenant=held.request.tenant, worker_id=worker_id,
                              for_request_id=waiting.request_id, for_tenant=waiting.tenant,
                              handed_over=d is not None)
@@ -454,16 +456,16 @@ class Dispatcher(Ingest):
                         await self.nc.publish(self.subjects.preempt(self.settings.pool),
                                               encode(order))
                 case act.SendError(code=code, message=message, retry_after_ms=retry_ms):
-                    log.info("request_ended", request_id=held.request.request_id,
+                    log.info("request_ended", **held.ids,
                              tenant=held.request.tenant, code=code.value, reason=message)
                     await self._send_error(held.request.reply_to, held.request.request_id,
                                            ErrorInfo.of(code, message, retry_ms))
                 case act.Requeued(reason=reason):
-                    log.info("request_requeued", request_id=held.request.request_id,
+                    log.info("request_requeued", **held.ids,
                              reason=reason)
                     wake = True
                 case act.Adopted(worker_id=worker_id):
-                    log.info("request_adopted", request_id=held.request.request_id,
+                    log.info("request_adopted", **held.ids,
                              worker_id=worker_id)
                 case act.Released(num_requests=n):
                     log.info("redeliveries_released", num_messages=n)

@@ -388,11 +388,15 @@ def cmd_up(argv: list[str]) -> int:
 def _print_ready(fleet: Fleet) -> None:
     s = fleet.s
     port_line = ""
+    # The streamer's admin endpoints (/dashboard, its /metrics) want an admin key.
+    admin_key = "sk-admin-demo" if s.tenants_file == str(DEMO_TENANTS) else "<admin key>"
     if getattr(fleet, "http_port", None):
         port_line = (f"  HTTP (OpenAI API): http://127.0.0.1:{fleet.http_port}/v1  "
-                     f"websocket: ws://127.0.0.1:{fleet.http_port}/v1/stream\n")
+                     f"websocket: ws://127.0.0.1:{fleet.http_port}/v1/stream\n"
+                     f"  dashboard: http://127.0.0.1:{fleet.http_port}/dashboard?key={admin_key}\n")
         if s.tenants_file == str(DEMO_TENANTS):
-            port_line += "  demo API keys: sk-acme-demo, sk-globex-demo, sk-hobbyist-demo\n"
+            port_line += ("  demo API keys: sk-acme-demo, sk-globex-demo, sk-hobbyist-demo; "
+                          "admin key: sk-admin-demo\n")
     login = ""
     if s.auth:
         port_line += (f"  NATS auth: on, users and passwords in {fleet.auth_dir} "
@@ -401,6 +405,8 @@ def _print_ready(fleet: Fleet) -> None:
     if fleet.metrics_urls:  # one line per process, "name URL"
         port_line += "  metrics:\n" + "".join(
             f"    {name:<11} {url}\n" for name, url in fleet.metrics_urls.items())
+        if "streamer" in fleet.metrics_urls:
+            port_line += f"    (streamer: send 'Authorization: Bearer {admin_key}')\n"
     print(
         f"fairlane is up: {s.workers} {s.engine} worker(s), pool {s.pool!r}\n"
         f"  NATS: {fleet.nats.url}\n{port_line}"

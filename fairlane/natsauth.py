@@ -20,7 +20,8 @@ tests/integration/test_nats_auth.py, the matrix is in BENCHMARKS.md):
 - services connect as ``svc-<role>`` with the request inbox ``_INBOX.svc-<role>``;
   the worker cannot publish requests, only the dispatcher answers pulls and may
   delete/get request messages, only the edge (streamer, producer) may publish requests
-  for any tenant. None may delete or purge a stream.
+  for any tenant. Only the dispatcher publishes the pools' stats (``<p>.stats.*``),
+  only the streamer (its admin dashboard) reads them. None may delete or purge a stream.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def service_permissions(sub: Subjects, role: str) -> dict[str, Any]:
     if role == "admin":  # operators' tools (fairlane usage, readiness checks): everything
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if role == "dispatcher":
-        pub = [f"{p}.preempt.*", f"{p}.inbox.>", *_manage_streams(req, usage, kv),
+        pub = [f"{p}.preempt.*", f"{p}.stats.*", f"{p}.inbox.>", *_manage_streams(req, usage, kv),
                *_consume(req), f"$JS.API.STREAM.MSG.GET.{req}", f"$JS.API.STREAM.MSG.DELETE.{req}",
                f"$JS.API.STREAM.MSG.GET.{kv}", f"$JS.API.DIRECT.GET.{kv}",
                f"$JS.API.DIRECT.GET.{kv}.>", f"$KV.{p}_leader.>",
@@ -103,8 +104,10 @@ def service_permissions(sub: Subjects, role: str) -> dict[str, Any]:
     if role in ("streamer", "producer"):  # the edge: publishes for any tenant it authenticated
         pub = [f"{p}.req.>", f"{p}.cancel.>", f"{p}.info.*", f"{p}.status.*",
                *_manage_streams(req, usage), *_consume(usage)]
+        # The streamer's admin dashboard reads the pools' stats snapshots.
+        stats = [f"{p}.stats.*"] if role == "streamer" else []
         return {"publish": {"allow": pub, "deny": never},
-                "subscribe": {"allow": [f"{p}.inbox.>", inbox]}}
+                "subscribe": {"allow": [f"{p}.inbox.>", *stats, inbox]}}
     raise ValueError(f"unknown service role {role!r}")
 
 

@@ -124,6 +124,7 @@ class WorkItem(Struct, kw_only=True, omit_defaults=True):
     # The JetStream ack subject of the request's message: the worker acks it at the
     # first token, so "started work is not replayed" holds even if the dispatcher dies.
     ack_subject: str | None = None
+    traceparent: str = ""  # W3C trace context (its JetStream message's header; "": none)
 
 
 class PullRequest(Struct, kw_only=True):
@@ -382,6 +383,57 @@ class PoolInfo(Struct, kw_only=True, omit_defaults=True):
     max_prompt_chars: int = 0
 
 
+# --- pool stats: dispatcher -> dashboards on fl.stats.<pool> (see dispatcher.stats) ----
+
+
+class LoadStats(Struct, kw_only=True, omit_defaults=True):
+    """A tier's or tenant's load in a `PoolStats` (counts, percentiles: its window_ms). By
+    the dispatcher: queue wait = fetch to dispatch; TTFT = fetch to the Started event."""
+
+    share: float = 0.0  # fraction of the pool's recently dispatched cost
+    num_queued: int = 0
+    num_in_flight: int = 0
+    queue_wait_p50_ms: float | None = None
+    queue_wait_p99_ms: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    num_rejected: int = 0  # refused at admission or dropped from the queue
+    num_preempted: int = 0  # running requests preempted
+
+
+class TierStats(LoadStats, kw_only=True, omit_defaults=True):
+    tier: str
+    floor_share: float = 0.0  # its reserved fraction of dispatched cost (soft)
+    num_tenants_active: int = 0  # with requests queued or in flight
+
+
+class TenantStats(LoadStats, kw_only=True, omit_defaults=True):
+    tenant: str
+    tier: str
+    weight: float = 1.0
+    fair_share: float = 0.0  # weight / active weight of its tier x the tier's share
+
+
+class PoolStats(Struct, kw_only=True, omit_defaults=True):
+    """A pool's snapshot from its leader every --stats-interval-s (core NATS). A row per
+    tier; tenants only while recently active, busiest first and capped (stays small)."""
+
+    pool: str
+    ts_ms: int = 0  # wall clock, unix epoch ms
+    epoch: int = 0  # the publishing leader's lease epoch
+    policy: str = ""
+    cost_model: str = ""  # the unit of the shares
+    window_ms: int = 0  # what the windowed figures cover
+    share_window_ms: int = 0  # the decay window of shares (the tier floors')
+    num_queued: int = 0
+    num_in_flight: int = 0
+    num_workers: int = 0
+    num_tenants_active: int = 0
+    num_tenants_omitted: int = 0  # recently active tenants beyond the row cap
+    tiers: list[TierStats] = []
+    tenants: list[TenantStats] = []
+
+
 # --- codecs ---------------------------------------------------------------------------
 
 _encoder = msgspec.json.Encoder()
@@ -422,6 +474,7 @@ decode_pool_info = _Decoder(PoolInfo, "PoolInfo")
 decode_heartbeat_ack = _Decoder(HeartbeatAck, "HeartbeatAck")
 decode_status_request = _Decoder(StatusRequest, "StatusRequest")
 decode_status = _Decoder(RequestStatus, "RequestStatus")
+decode_pool_stats = _Decoder(PoolStats, "PoolStats")
 _decode_status_batch = _Decoder(StatusBatch, "StatusBatch")
 
 

@@ -114,6 +114,14 @@ class Subjects:
     def info(self, pool: str) -> str:
         return f"{self.prefix}.info.{check_id('pool', pool)}"
 
+    def stats(self, pool: str) -> str:
+        """The pool's `PoolStats` snapshots, published by its leading dispatcher."""
+        return f"{self.prefix}.stats.{check_id('pool', pool)}"
+
+    def stats_all(self) -> str:
+        """Every pool's snapshots (the streamer's dashboard subscribes to it)."""
+        return f"{self.prefix}.stats.*"
+
     def usage(self, tenant: str) -> str:
         return f"{self.prefix}.usage.{check_id('tenant', tenant)}"
 

@@ -16,6 +16,8 @@ One YAML (``.yaml``/``.yml``) or TOML (``.toml``) file, chosen by extension::
         tier: enterprise
         weight: 2
         api_keys: ["sha256:<64 hex>"]   # hash_api_key("sk-..."); never plain text
+    admin:                      # optional: operators' keys (streamer /dashboard, /metrics)
+      api_keys: ["sha256:<64 hex>"]
 
 Every section is decoded with strict ``msgspec`` Structs (unknown fields are
 refused), then checked for ranges and cross references. Any problem raises
@@ -90,6 +92,7 @@ class TenantsFile:
         tenants: dict[str, TenantConfig],
         key_hashes: dict[str, str],
         path: str | None = None,
+        admin_key_hashes: frozenset[str] = frozenset(),
     ) -> None:
         self.tiers = tiers
         self.pools = pools
@@ -97,6 +100,9 @@ class TenantsFile:
         # "sha256:<lowercase hex>" -> (that same stored hash, tenant name)
         self._key_hashes = {h: (h, name) for h, name in key_hashes.items()}
         self.path = path  # None = the built-in default (no file, no keys)
+        # The admin section's keys ("sha256:<lowercase hex>"): the streamer's admin
+        # endpoints (dashboard, /metrics). No tenant key is one of them.
+        self._admin_hashes = admin_key_hashes
 
     def __repr__(self) -> str:
         return (
@@ -149,6 +155,18 @@ class TenantsFile:
         if not hmac.compare_digest(stored.encode("ascii"), digest.encode("ascii")):
             return None
         return self.tenants.get(name)
+
+    @property
+    def num_admin_keys(self) -> int:
+        return len(self._admin_hashes)
+
+    def is_admin_key(self, presented_key: str) -> bool:
+        """Whether `presented_key` (plain text) is one of the admin section's keys."""
+        if not presented_key:
+            return False
+        digest = hash_api_key(presented_key).encode("ascii")
+        # Compared with each stored hash in constant time, whichever matches.
+        return any([hmac.compare_digest(h.encode("ascii"), digest) for h in self._admin_hashes])
 
     def request_limits(self, pool: str, base: RequestLimits | None = None) -> RequestLimits:
         """`RequestLimits` for `pool`: the pool's overrides on top of `base`."""
@@ -278,9 +296,10 @@ def _format_of(p: Path, source: str) -> Literal["yaml", "toml"]:
 
 def tenants_from_dict(data: Any, *, source: str = "<tenants>") -> TenantsFile:
     """Validate already-parsed data (a YAML/TOML document) into a `TenantsFile`."""
-    tiers, pools, tenants, key_hashes = Validator(source).run(data)
+    tiers, pools, tenants, key_hashes, admin_hashes = Validator(source).run(data)
     return TenantsFile(
-        tiers=tiers, pools=pools, tenants=tenants, key_hashes=key_hashes, path=source
+        tiers=tiers, pools=pools, tenants=tenants, key_hashes=key_hashes, path=source,
+        admin_key_hashes=admin_hashes,
     )
 
 

@@ -22,7 +22,7 @@ KEY_PREFIX = "sha256:"
 _ID_RE = re.compile(ID_PATTERN)
 _HASHED_KEY_RE = re.compile(r"^sha256:[0-9a-fA-F]{64}$")
 _MSGSPEC_PATH_RE = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>.*)`$", re.DOTALL)
-_TOP_LEVEL = ("tiers", "pools", "tenants")
+_TOP_LEVEL = ("tiers", "pools", "tenants", "admin")
 _FLOOR_EPSILON = 1e-9
 
 
@@ -52,6 +52,14 @@ class _TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     tokens_per_min: int | None = None
     pools: list[str] | None = None  # None = every pool
     api_keys: list[str] = []
+
+
+class _AdminSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Operators: their API keys open the streamer's admin endpoints (the dashboard,
+    /metrics). An admin key is no tenant's key: it submits no requests, and no tenant
+    key opens the admin endpoints."""
+
+    api_keys: list[str] = []  # hashed like tenants' keys: "sha256:<64 hex>"
 
 
 # The edge's historical name for a tenant's config: the same type, not a copy.

@@ -42,13 +42,14 @@ from fairlane.tenants_schema import (
     _ID_RE,
     _TOP_LEVEL,
     TenantsFileError,
+    _AdminSpec,
     _TenantSpec,
 )
 
 SCHEMA_PATH = Path(__file__).with_name("tenants.schema.json")
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 # Component names in the schema (what an editor shows), for the loader's types.
-_NAMES = {TierConfig: "Tier", PoolSpec: "Pool", _TenantSpec: "Tenant"}
+_NAMES = {TierConfig: "Tier", PoolSpec: "Pool", _TenantSpec: "Tenant", _AdminSpec: "Admin"}
 # Field comments to fall back on where the file's own type has none (a tenant entry
 # becomes a TenantConfig, whose fields are commented).
 _COMMENT_FALLBACK = {_TenantSpec: TenantConfig}
@@ -70,6 +71,7 @@ _HINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("Tenant", "requests_per_min"): _POSITIVE,
     ("Tenant", "tokens_per_min"): _POSITIVE,
     ("Tenant", "api_keys"): {"items": {"pattern": _HASHED_KEY_RE.pattern}},
+    ("Admin", "api_keys"): {"items": {"pattern": _HASHED_KEY_RE.pattern}},
 }
 
 
@@ -95,7 +97,7 @@ def tenants_json_schema() -> dict[str, Any]:
             for kw, value in _HINTS.get((name, field), {}).items():
                 _hint(prop, kw, value)
         defs[name] = comp
-    tier, pool, tenant = (_rename_refs(r, renames) for r in refs)
+    tier, pool, tenant, admin = (_rename_refs(r, renames) for r in refs)
     id_keys = {"pattern": ID_PATTERN}
     schema = {
         "$schema": SCHEMA_DIALECT,
@@ -120,6 +122,9 @@ def tenants_json_schema() -> dict[str, Any]:
                                    "additionalProperties": {"anyOf": [tenant,
                                                                       {"type": "null"}]}},
                                   {"type": "null"}]},
+            "admin": {"description": "Operators' API keys: the streamer's admin endpoints "
+                                     "(/dashboard, /metrics).",
+                      "anyOf": [admin, {"type": "null"}]},
         },
         "additionalProperties": False,
         "$defs": _rename_refs(defs, renames),
@@ -264,6 +269,8 @@ def _every_error(data: Any, source: str) -> list[str]:
     if isinstance(data.get("tenants"), dict):
         for name, spec in data["tenants"].items():
             ok({**tiers, **pools, "tenants": {name: spec}})
+    if "admin" in data:
+        ok({**tiers, **pools, "admin": data["admin"]})
     # Rules across entries (an API key hash used twice) need the whole file.
     ok({k: v for k, v in data.items() if k in _TOP_LEVEL})
     return list(found)

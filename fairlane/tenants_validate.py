@@ -22,6 +22,7 @@ from fairlane.tenants_schema import (
     TenantConfig,
     TenantsFileError,
     TierConfig,
+    _AdminSpec,
     _TenantSpec,
 )
 
@@ -81,7 +82,7 @@ class Validator:
     # sections
 
     def run(self, data: Any) -> tuple[tuple[TierConfig, ...], dict[str, PoolSpec],
-                                     dict[str, TenantConfig], dict[str, str]]:
+                                     dict[str, TenantConfig], dict[str, str], frozenset[str]]:
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -95,7 +96,39 @@ class Validator:
         tier_names = {t.name for t in tiers}
         pools = self.pools(data.get("pools"), tier_names)
         tenants, key_hashes = self.tenants(data.get("tenants"), tiers, pools)
-        return tiers, pools, tenants, key_hashes
+        admin_hashes = self.admin(data.get("admin"), key_hashes)
+        return tiers, pools, tenants, key_hashes, admin_hashes
+
+    def admin(self, raw: Any, tenant_keys: dict[str, str]) -> frozenset[str]:
+        """The admin section's key hashes: none may also be a tenant's key."""
+        a: _AdminSpec = self.convert(raw if raw is not None else {}, _AdminSpec, "admin")
+        out: set[str] = set()
+        for i, key in enumerate(a.api_keys):
+            kpath = f"admin.api_keys[{i}]"
+            digest = self.hashed_key(key, kpath)
+            if digest in out:
+                raise self.fail(kpath, "duplicate API key hash (twice for admin)")
+            if digest in tenant_keys:
+                raise self.fail(kpath, "duplicate API key hash (also tenant "
+                                f"{tenant_keys[digest]!r}'s: an admin key is no tenant's key)")
+            out.add(digest)
+        return frozenset(out)
+
+    def hashed_key(self, key: str, kpath: str) -> str:
+        """A stored key hash, normalised ("sha256:<lowercase hex>"); never a plain key."""
+        # Never echo the value: it may be a live secret pasted by mistake.
+        if not _HASHED_KEY_RE.match(key):
+            if key.startswith(KEY_PREFIX):
+                raise self.fail(
+                    kpath, "malformed hashed key: expected 'sha256:' and 64 hex digits"
+                )
+            raise self.fail(
+                kpath,
+                "looks like a plain-text API key; store only its hash "
+                "('sha256:<64 hex>'), e.g. from "
+                "`printf %s KEY | python -m fairlane.tenants hash-key`",
+            )
+        return KEY_PREFIX + key[len(KEY_PREFIX) :].lower()
 
     def tiers(self, raw: Any) -> tuple[TierConfig, ...]:
         if raw is None:
@@ -197,19 +230,7 @@ class Validator:
                 allowed = tuple(dict.fromkeys(t.pools))
             for i, key in enumerate(t.api_keys):
                 kpath = f"{path}.api_keys[{i}]"
-                # Never echo the value: it may be a live secret pasted by mistake.
-                if not _HASHED_KEY_RE.match(key):
-                    if key.startswith(KEY_PREFIX):
-                        raise self.fail(
-                            kpath, "malformed hashed key: expected 'sha256:' and 64 hex digits"
-                        )
-                    raise self.fail(
-                        kpath,
-                        "looks like a plain-text API key; store only its hash "
-                        "('sha256:<64 hex>'), e.g. from "
-                        "`printf %s KEY | python -m fairlane.tenants hash-key`",
-                    )
-                digest = KEY_PREFIX + key[len(KEY_PREFIX) :].lower()
+                digest = self.hashed_key(key, kpath)
                 owner = key_hashes.get(digest)
                 if owner is not None:
                     where = "twice for this tenant" if owner == name else f"also used by {owner!r}"

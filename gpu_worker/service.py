@@ -329,7 +329,8 @@ class Worker(RequestServing):
         if as_tenant is not None and as_tenant != r.item.request.tenant:
             self.log.warning("cancel_refused", request_id=cancel.request_id, as_tenant=as_tenant)
             return
-        self.log.info("cancel", request_id=cancel.request_id, reason=cancel.reason)
+        self.log.info("cancel", request_id=cancel.request_id, reason=cancel.reason,
+                      traceparent=r.item.traceparent or None)
         r.cancelled = True
         # The client lost chunks and resumes elsewhere: the continuation's usage record
         # will cover the whole request, so this attempt bills nothing.

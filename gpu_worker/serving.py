@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+import structlog
 from nats.aio.client import Client as NATS
 
 from fairlane.protocol import (
@@ -84,6 +85,12 @@ class RequestServing:
 
     async def _serve(self, r: InFlight) -> None:
         rid = r.request_id
+        # The request's own task (`Worker._accept`): every line it, its pump and its
+        # usage publisher log carries its request id and trace context (DESIGN.md 7b).
+        ids = {"request_id": rid}
+        if r.item.traceparent:
+            ids["traceparent"] = r.item.traceparent
+        bound = structlog.contextvars.bind_contextvars(**ids)
         pump = asyncio.create_task(self._pump(r), name=f"pump-{rid}")
         coalesce_s = self.s.coalesce_ms / 1000
         outcome: object = None
@@ -138,6 +145,7 @@ class RequestServing:
         finally:
             self._reqs.pop(rid, None)
             self._slot_event.set()
+            structlog.contextvars.reset_contextvars(**bound)
 
     async def _ack_started(self, r: InFlight) -> bool:
         """Ack the request's JetStream message before its first token goes out, and

@@ -48,6 +48,7 @@ from fairlane.ratelimit import RateLimiter, RateLimits
 from fairlane.runtime import cancel_and_wait, now_ms
 from fairlane.streams import StreamSettings, ensure_streams
 from fairlane.subjects import REPLY_HEADER, Subjects, check_id
+from fairlane.trace import TRACEPARENT_HEADER, traceparent_or_new
 from fairlane.validation import RequestLimits, check_request, estimate_prompt_tokens
 from producer.auth import FAILOVER_RETRY_S, connect_client, guard_publish
 from producer.migrate import resume_stream
@@ -248,6 +249,7 @@ class FairlaneClient(SilenceWatch):
         *,
         rate_limits: RateLimits | None = None,
         limits: RequestLimits | None = None,
+        traceparent: str | None = None,
     ) -> RequestStream:
         """Validate, admit and publish one request; returns its token stream.
 
@@ -256,6 +258,8 @@ class FairlaneClient(SilenceWatch):
         and tokens/min; `limits` overrides the pool's request limits (the edge reads
         them from the tenants file). Raises `RequestError` if the request is invalid
         or refused (e.g. ``rate_limited``, or ``queue_full`` at the tenant's queue cap).
+        `traceparent` (W3C trace context) travels with the request to its worker; an
+        absent or invalid one is replaced by a fresh trace.
         """
         tier = spec.tier if spec.tier is not None else await self.resolve_tier(
             spec.pool, spec.tenant)
@@ -264,7 +268,8 @@ class FairlaneClient(SilenceWatch):
                               created_ms=now_ms())
         if rid in self._retry_next:  # our earlier attempt ended retryably: a new attempt
             req.attempt = self._attempts.get(rid, 0) + 1
-        return await self.submit_request(req, rate_limits, limits=limits)
+        return await self.submit_request(req, rate_limits, limits=limits,
+                                         traceparent=traceparent)
 
     async def pool_info(self, pool: str, tenant: str) -> PoolInfo | None:
         """The pool dispatcher's view of `tenant` (cached), or None if no dispatcher
@@ -302,7 +307,8 @@ class FairlaneClient(SilenceWatch):
 
     async def submit_request(self, req: InferenceRequest,
                              rate_limits: RateLimits | None = None, *,
-                             limits: RequestLimits | None = None) -> RequestStream:
+                             limits: RequestLimits | None = None,
+                             traceparent: str | None = None) -> RequestStream:
         """Check, admit and publish a prepared request (its reply_to is pointed at
         this client). `submit` builds one from a `RequestSpec` and lands here.
 
@@ -333,7 +339,7 @@ class FairlaneClient(SilenceWatch):
                                    ErrorCode.RATE_LIMITED,
                                    retry_after_ms=decision.retry_after_ms)
         try:
-            return await self._publish(req, subject)
+            return await self._publish(req, subject, traceparent_or_new(traceparent))
         except BaseException:
             if limited:
                 with contextlib.suppress(Exception):  # best effort: reservations expire
@@ -386,11 +392,12 @@ class FairlaneClient(SilenceWatch):
                 return st
             await asyncio.sleep(0.25)
 
-    async def _publish(self, req: InferenceRequest, subject: str) -> RequestStream:
+    async def _publish(self, req: InferenceRequest, subject: str,
+                       traceparent: str) -> RequestStream:
         # Register before publishing, so no early chunk can miss its queue.
         stream = RequestStream(req.request_id, req.tenant, req.pool, self,
                                asyncio.Queue(maxsize=self.max_buffered_chunks),
-                               attempt=req.attempt)
+                               attempt=req.attempt, traceparent=traceparent)
         stream._last_chunk_s = asyncio.get_running_loop().time()
         # Migration needs every output token id: always asked for, shown only if wanted.
         stream._wants_token_ids = req.return_token_ids
@@ -410,7 +417,8 @@ class FairlaneClient(SilenceWatch):
                     return self.js.publish(subject, encode(req), headers={
                         "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
                         # Lets the dispatcher answer even if the body arrives unreadable.
-                        REPLY_HEADER: req.reply_to})
+                        REPLY_HEADER: req.reply_to,
+                        TRACEPARENT_HEADER: traceparent})
 
                 ack = await guard_publish(self.nc, subject, send)
                 self._remember(req.request_id, req.attempt)

@@ -19,6 +19,7 @@ import structlog
 from fairlane.protocol import Continuation, ErrorInfo, encode
 from fairlane.runtime import now_ms
 from fairlane.subjects import REPLY_HEADER
+from fairlane.trace import TRACEPARENT_HEADER, traceparent_or_new
 from producer.auth import guard_publish
 from producer.watch import dedupe_key
 
@@ -64,6 +65,8 @@ async def resume_stream(client: FairlaneClient, stream: RequestStream, error: Er
             subject, encode(req), headers={
                 "Nats-Msg-Id": dedupe_key(req.request_id, req.attempt),
                 REPLY_HEADER: req.reply_to,
+                # The same trace as the first attempt: one request, one trace.
+                TRACEPARENT_HEADER: traceparent_or_new(stream.traceparent),
             }))
     except Exception as exc:  # the broker refused it: the caller gets the error
         log.warning("stream_resume_failed", request_id=req.request_id, error=repr(exc))

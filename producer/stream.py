@@ -81,6 +81,8 @@ class RequestStream:
     _wants_token_ids: bool = True
     num_resumes: int = 0
     num_stale_chunks: int = 0  # chunks of an earlier attempt, dropped
+    # The W3C trace context its JetStream messages carry (each attempt the same).
+    traceparent: str = ""
 
     @property
     def is_done(self) -> bool:

@@ -11,7 +11,8 @@ Routes
     WS   /v1/stream                              websocket proxy (see streamer.schema)
     GET  /healthz                                liveness: the process is serving
     GET  /readyz                                 NATS connected and streams present
-    GET  /metrics                                Prometheus
+    GET  /metrics                                Prometheus (admin key: streamer.dashboard)
+    GET  /dashboard, /dashboard/data             live per-tier/tenant dashboard (admin key)
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from collections.abc import AsyncIterator
 
 import nats
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp
 
 from fairlane.errors import ErrorCode
 from fairlane.natsconn import connect_options
@@ -36,6 +37,8 @@ from fairlane.runtime import log_nats_error
 from fairlane.tenants import TenantsWatcher
 from fairlane.validation import RequestLimits
 from producer.client import FairlaneClient
+from streamer import dashboard
+from streamer.access import AccessLog
 from streamer.config import StreamerSettings
 from streamer.errors import METHOD_NOT_ALLOWED, NOT_FOUND, EdgeError
 from streamer.http_api import OpenAIApi, error_response, json_response
@@ -72,10 +75,6 @@ async def readyz(request: Request) -> Response:
     return json_response(body, 200 if ready else 503)
 
 
-async def metrics_endpoint(request: Request) -> Response:
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -90,6 +89,14 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled_error", path=request.url.path, error=repr(exc))
     return error_response(EdgeError("internal error", ErrorCode.INTERNAL))
+
+
+class _EdgeApp(Starlette):
+    """The access log outermost: it sees, and stamps ``X-Request-Id`` on, every answer,
+    the 500s of Starlette's error middleware included (`streamer.access`)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return AccessLog(super().build_middleware_stack())
 
 
 def create_app(
@@ -138,6 +145,8 @@ def create_app(
             await settler.start()
         state.settings, state.client, state.limiter, state.edge = settings, c, lim, edge
         state.settler = settler
+        state.stats_feed = feed = dashboard.StatsFeed()  # fl.stats.*: the dashboard's
+        await feed.start(c.nc, c.subjects)
         api = OpenAIApi(edge, settings.max_body_bytes)
         state.api = api
         log.info("streamer_started", prefix=settings.prefix, inbox=c.inbox)
@@ -146,6 +155,7 @@ def create_app(
         finally:
             if settler is not None:
                 await settler.stop()
+            await feed.stop()
             await edge.aclose()
             if own_client:
                 await c.close()
@@ -175,9 +185,11 @@ def create_app(
         WebSocketRoute("/v1/stream", websocket_endpoint),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/metrics", dashboard.metrics, methods=["GET"]),
+        Route("/dashboard", dashboard.dashboard, methods=["GET"]),
+        Route("/dashboard/data", dashboard.dashboard_data, methods=["GET"]),
     ]
-    return Starlette(
+    return _EdgeApp(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_exception, Exception: _internal_error},

@@ -31,6 +31,7 @@ from starlette.responses import Response, StreamingResponse
 from fairlane.errors import ErrorCode, FairlaneError
 from producer.client import RequestError, RequestStream
 from streamer import metrics
+from streamer.access import access_info, note_tenant, use_traceparent
 from streamer.errors import BODY_TOO_LARGE, EdgeError, validation_message
 from streamer.schema import FIELD_CHOICES, decode_chat, decode_completion, ignored_fields
 from streamer.service import Edge, Principal, usage_dict
@@ -113,7 +114,9 @@ class OpenAIApi:
         self._warned: set[tuple[str, str, tuple[str, ...]]] = set()
 
     def principal(self, request: Request) -> Principal:
-        return self.edge.authenticate(request.headers.get("authorization"))
+        principal = self.edge.authenticate(request.headers.get("authorization"))
+        note_tenant(request.scope, principal.tenant)  # the access log names it
+        return principal
 
     async def models(self, request: Request) -> Response:
         """The pools this key may use (the ones a request naming them would reach)."""
@@ -168,7 +171,13 @@ class OpenAIApi:
             if ignored:
                 self._note_ignored(principal.tenant, endpoint, ignored)
             started = time.monotonic()
-            stream = await self.edge.start(principal, req, endpoint, req.model)
+            # Run under the id the answer's X-Request-Id names, in the client's trace
+            # or a fresh one (streamer.access).
+            info = access_info(request.scope)
+            traceparent = use_traceparent(request.scope, request.headers.get("traceparent"))
+            stream = await self.edge.start(principal, req, endpoint, req.model,
+                                           request_id=info.request_id if info else None,
+                                           traceparent=traceparent)
         except FairlaneError as err:
             return error_response(err)
         meta = _Meta(

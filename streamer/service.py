@@ -114,14 +114,20 @@ class Edge:
         return cfg.request_limits(model, self.client.limits)
 
     async def start(self, principal: Principal, body: EdgeBody, endpoint: str,
-                    model: str) -> RequestStream:
+                    model: str, *, request_id: str | None = None,
+                    traceparent: str | None = None) -> RequestStream:
         """Map `body` for `model` and submit it as `principal`; raise a
-        `FairlaneError` (an `EdgeError` or the library's `RequestError`) when refused."""
+        `FairlaneError` (an `EdgeError` or the library's `RequestError`) when refused.
+        `request_id`: the id to run it under (the HTTP answer's ``X-Request-Id``; None:
+        a fresh one); `traceparent`: its W3C trace context (None or invalid: a fresh one)."""
         limits = self.check_model(principal, model)
         spec = body.to_spec(tenant=principal.tenant, tier=principal.tier, pool=model,
                             default_max_tokens=min(self.default_max_tokens, limits.max_tokens))
+        if request_id is not None:
+            spec.request_id = request_id
         try:
-            stream = await self.client.submit(spec, rate_limits=principal.limits, limits=limits)
+            stream = await self.client.submit(spec, rate_limits=principal.limits, limits=limits,
+                                              traceparent=traceparent)
         except RequestError as exc:
             metrics.REQUESTS.labels(principal.tenant, endpoint, exc.code.value).inc()
             raise

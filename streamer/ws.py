@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket
 from fairlane.errors import ErrorCode, FairlaneError
 from producer.client import RequestError, RequestStream
 from streamer import metrics
+from streamer.access import access_info, note_tenant
 from streamer.errors import EdgeError, validation_message
 from streamer.http_api import error_response
 from streamer.schema import (
@@ -75,6 +76,7 @@ class WsSession:
         send_buffer: int,
         max_requests: int,
         close_timeout_s: float,
+        traceparent: str | None = None,
     ) -> None:
         self.ws = ws
         self.edge = edge
@@ -82,6 +84,9 @@ class WsSession:
         self.default_model = default_model
         self.max_requests = max_requests
         self.close_timeout_s = close_timeout_s
+        # The upgrade request's valid traceparent (every request on the socket joins
+        # that trace), else None: each request gets a fresh one.
+        self.traceparent = traceparent
         self.out: asyncio.Queue[str] = asyncio.Queue(maxsize=send_buffer)
         self.reqs: dict[str, _Req] = {}
         self.slow = asyncio.Event()
@@ -160,7 +165,8 @@ class WsSession:
             started = time.monotonic()
             try:
                 stream = await self.edge.start(self.principal, frame, "ws",
-                                               frame.model or self.default_model)
+                                               frame.model or self.default_model,
+                                               traceparent=self.traceparent)
             except FairlaneError as err:
                 self.emit(_error_frame(cid, err))
                 return
@@ -269,6 +275,8 @@ async def websocket_endpoint(ws: WebSocket) -> None:
             await ws.accept()
             await ws.close(CLOSE_UNAUTHORIZED, err.message[:120])
         return
+    note_tenant(ws.scope, principal.tenant)
+    info = access_info(ws.scope)
     await ws.accept()
     session = WsSession(
         ws,
@@ -278,5 +286,6 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         send_buffer=settings.ws_send_buffer,
         max_requests=settings.ws_max_requests,
         close_timeout_s=settings.ws_close_timeout_s,
+        traceparent=info.traceparent if info else ws.headers.get("traceparent"),
     )
     await session.run()

@@ -65,6 +65,16 @@ class LoadReport(Protocol):
     kv_tokens_total: int
 
 
+class PoolObserver:
+    """Sees decisions as the core makes them, for the pool's stats snapshot
+    (`dispatcher.stats.StatsTracker`); this one ignores them. Pure, like the core."""
+
+    def dispatched(self, req: QueuedRequest, now_ms: float) -> None: ...
+    def started(self, req: QueuedRequest, now_ms: float) -> None: ...  # Started event
+    def preempted(self, req: QueuedRequest, now_ms: float) -> None: ...
+    def ended(self, actions: list[Action], now_ms: float) -> None: ...  # refusals, drops
+
+
 @dataclass(slots=True, frozen=True)
 class Status:
     """Where a request is (`fairlane.protocol.RequestStatus` without the wire)."""
@@ -97,6 +107,7 @@ class PoolCore:
         self._deferred: dict[str, QueuedRequest] = {}  # redeliveries handed back in grace
         self._checking: dict[str, str] = {}  # request id -> why its start is being checked
         self._forget_deferred_ms = 0.0
+        self.observer = PoolObserver()
 
     # --- restart grace -----------------------------------------------------------------
 
@@ -193,6 +204,7 @@ class PoolCore:
 
     def _remember(self, actions: list[Action], now_ms: float) -> list[Action]:
         """Note every request these actions end (finished, failed, dropped, cancelled)."""
+        self.observer.ended(actions, now_ms)
         errors = {a.request.request_id: a for a in actions if isinstance(a, SendError)}
         for a in actions:
             if isinstance(a, Term) or (isinstance(a, Ack) and a.reason != "started"):
@@ -257,6 +269,7 @@ class PoolCore:
         out = self.scheduler.select(max_items, now_ms, free_kv_tokens, worker_id)
         for d in out:
             self.workers.assign(d.request.request_id, worker_id, now_ms)
+            self.observer.dispatched(d.request, now_ms)
         return out
 
     # --- worker events -----------------------------------------------------------------
@@ -266,7 +279,10 @@ class PoolCore:
         known, out = self.contact(worker_id, incarnation, now_ms)
         if not known:
             return out
-        return out + self._mark_started(request_id, now_ms)
+        started = self._mark_started(request_id, now_ms)
+        if started:
+            self.observer.started(started[0].request, now_ms)
+        return out + started
 
     def _mark_started(self, request_id: str, now_ms: float) -> list[Action]:
         # The start time is what min_run_ms (preemption hysteresis) counts from.
@@ -322,6 +338,7 @@ class PoolCore:
             d = self.scheduler.dispatch_held(o.for_request.request_id, now_ms)
             if d is not None:
                 self.workers.assign(d.request.request_id, o.worker_id, now_ms, contact=False)
+                self.observer.dispatched(d.request, now_ms)
             out.append(Preempt(o.request, o.worker_id, o.for_request, d))
         return out
 
@@ -345,6 +362,8 @@ class PoolCore:
             return out
         self.workers.unassign(request_id)
         req = self.scheduler.preempted(request_id, num_generated_tokens, now_ms, worker_id)
+        if req is not None:
+            self.observer.preempted(req, now_ms)
         return out + ([Requeued(req, "preempted")] if req is not None else [])
 
     def on_heartbeat(self, worker_id: str, in_flight_ids: Iterable[str], now_ms: float, *,

@@ -1,5 +1,5 @@
-"""Every process of a real `fairlane up` serves /metrics, says where, and the text is
-valid: parsed by prometheus_client, linted by `promtool check metrics` (where the
+"""Every process of a real `fairlane up` serves /metrics (the streamer's behind the
+tenants file's admin key), says where, and the text is valid: parsed by prometheus_client, linted by `promtool check metrics` (where the
 binary is installed: `apt-get install prometheus`). The workers' per-tenant token
 counters add up to exactly what the clients received, through the producer library
 and through the HTTP edge."""
@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import urllib.error
 import urllib.request
 from collections import defaultdict
 
@@ -25,10 +26,13 @@ from tests.procs import start_fairlane_up
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 METRICS_LINE = re.compile(r"^\s+([\w-]+)\s+(http://127\.0\.0\.1:\d+/metrics)\s*$", re.M)
+ADMIN_KEY = "sk-admin-demo"  # fairlane/demo_tenants.yaml: the streamer's /metrics wants it
 
 
-def _scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
+def _scrape(url: str, key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - loopback
         assert resp.status == 200
         return resp.read().decode()
 
@@ -59,6 +63,7 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
     try:
         urls = dict(METRICS_LINE.findall(out))
         assert {"dispatcher", "worker-0", "worker-1", "streamer"} <= set(urls), out
+        assert f"Bearer {ADMIN_KEY}" in out  # up says the streamer's /metrics wants the key
         nats_url = re.search(r"NATS: (nats://127.0.0.1:\d+)", out).group(1)
         http = re.search(r"(http://127.0.0.1:\d+/v1)", out).group(1)
 
@@ -103,7 +108,7 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
 
         num_started = 0.0
         for name, url in urls.items():
-            text = _scrape(url)
+            text = _scrape(url, ADMIN_KEY if name == "streamer" else None)
             families = {f.name: f for f in text_string_to_metric_families(text)}
             ours = [n for n in families if n.startswith("fairlane_")]
             assert ours, f"{name}: no fairlane_ series"
@@ -119,6 +124,10 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
                 assert "fairlane_dispatcher_queue_wait_seconds" in families
             elif name == "streamer":
                 assert "fairlane_streamer_requests" in families
+                for key in (None, "sk-acme-demo"):  # no key, a tenant's key: 401
+                    with pytest.raises(urllib.error.HTTPError) as refused:
+                        _scrape(url, key)
+                    assert refused.value.code == 401
         # 3 acme + 2 globex through the producer, 1 globex through the HTTP edge (a
         # preempted one would start again: at least).
         assert num_started >= 6, num_started

@@ -23,7 +23,13 @@ from fairlane.errors import ErrorCode
 from fairlane.natsauth import service_user, write_nats_auth
 from fairlane.natsconn import permission_watch
 from fairlane.poolconfig import SchedulerConfig
-from fairlane.protocol import Cancel, InferenceRequest, SamplingParams, encode
+from fairlane.protocol import (
+    Cancel,
+    InferenceRequest,
+    SamplingParams,
+    decode_pool_stats,
+    encode,
+)
 from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
 from gpu_worker.engines import make_engine
@@ -218,7 +224,7 @@ async def test_tenant_cannot_cancel_another_tenants_request(auth, fleet):
 
 
 @pytest.mark.parametrize("suffix", ["work.p", "evt.p", "preempt.p", "usage.beta", "usage.alpha",
-                                    "inbox.x.beta.r1", "req.p.standard.beta"])
+                                    "inbox.x.beta.r1", "req.p.standard.beta", "stats.p"])
 async def test_tenant_cannot_publish_to_service_subjects(auth, fleet, suffix):
     _, subjects, _ = auth
     spy = await _raw(auth, "alpha")
@@ -229,6 +235,33 @@ async def test_tenant_cannot_publish_to_service_subjects(auth, fleet, suffix):
         assert subject.lower() in err.lower()
     finally:
         await spy.close()
+
+
+async def test_pool_stats_reach_the_streamer_and_no_tenant(auth, fleet):
+    """The dispatcher (svc-dispatcher) publishes its pool's stats snapshot; the
+    streamer's service user reads it (the admin dashboard); a tenant may neither read
+    nor forge it, and the streamer may not forge it either."""
+    _, subjects, _ = auth
+    streamer = await _raw(auth, service_user("streamer"))
+    alpha = await _raw(auth, "alpha")
+    try:
+        got: list = []
+        arrived = asyncio.Event()
+
+        async def on_stats(msg) -> None:
+            got.append(decode_pool_stats(msg.data))
+            arrived.set()
+
+        await streamer.subscribe(subjects.stats_all(), cb=on_stats)
+        await asyncio.wait_for(arrived.wait(), 10)  # published every second
+        assert got[0].pool == POOL and got[0].epoch == fleet[0].epoch
+        await alpha.subscribe(subjects.stats_all(), cb=_collect([]))
+        await _denied(alpha, "subscription", subjects.stats_all())
+        await streamer.publish(subjects.stats(POOL), b"{}")
+        await _denied(streamer, "publish", subjects.stats(POOL))
+    finally:
+        await streamer.close()
+        await alpha.close()
 
 
 async def test_tenant_cannot_use_the_jetstream_api(auth, fleet):

@@ -45,6 +45,7 @@ tenants:
   alpha: {{tier: paid, api_keys: ["{hash_api_key(KEY_A)}"]}}
   beta: {{tier: free, api_keys: ["{hash_api_key(KEY_B)}"], pools: [default]}}
   limited: {{tier: free, requests_per_min: 2, api_keys: ["{hash_api_key(KEY_LIMITED)}"]}}
+admin: {{api_keys: ["{hash_api_key("sk-test-admin")}"]}}
 """
 
 
@@ -279,7 +280,7 @@ async def test_ops_endpoints(stack):
         assert r.status_code == 200 and r.json()["checks"] == {"nats": True, "streams": True}
         await http.post("/v1/completions", json={"model": "default", "prompt": "n=2"},
                         headers={"Authorization": f"Bearer {KEY_A}"})
-        text = (await http.get("/metrics")).text
+        text = (await http.get("/metrics", headers={"Authorization": "Bearer sk-test-admin"})).text
     assert 'fairlane_streamer_requests_total{endpoint="completions",outcome="accepted",tenant="alpha"}' in text
 
 

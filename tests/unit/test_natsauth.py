@@ -17,6 +17,7 @@ from fairlane.natsauth import (
     tenant_permissions,
     write_nats_auth,
 )
+from fairlane.protocol import ProtocolError
 from fairlane.subjects import Subjects
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
@@ -67,6 +68,7 @@ ACME = tenant_permissions(S, "acme")
     ("fl.evt.default", False),
     ("fl.preempt.default", False),
     ("fl.usage.acme", False),
+    ("fl.stats.default", False),  # nor a pool's stats snapshot
     ("fl.inbox.o.acme.r1", False),  # nobody's tokens are forged by a tenant
     ("$JS.API.STREAM.INFO.FL_REQUESTS", False),
     ("$JS.API.STREAM.DELETE.FL_REQUESTS", False),
@@ -85,6 +87,8 @@ def test_tenant_publish(subject, ok):
     ("_INBOX.>", False),
     ("fl.req.>", False),
     ("fl.cancel.>", False),
+    ("fl.stats.*", False),  # the pools' stats are for the admin dashboard
+    ("fl.stats.default", False),
     (">", False),
 ])
 def test_tenant_subscribe(subject, ok):
@@ -130,6 +134,14 @@ PERMS = {r: service_permissions(S, r) for r in SERVICE_ROLES}
     ("streamer", "publish", "fl.inbox.o.acme.r1", False),
     ("streamer", "subscribe", "fl.inbox.>", True),
     ("streamer", "subscribe", "fl.work.*", False),
+    # Pool stats: the dispatcher publishes them, the streamer's dashboard reads them.
+    ("dispatcher", "publish", "fl.stats.default", True),
+    ("worker", "publish", "fl.stats.default", False),
+    ("streamer", "publish", "fl.stats.default", False),
+    ("streamer", "subscribe", "fl.stats.*", True),
+    ("streamer", "subscribe", "fl.stats.>", False),  # pool ids are one token
+    ("producer", "subscribe", "fl.stats.*", False),
+    ("worker", "subscribe", "fl.stats.*", False),
 ])
 def test_service_permissions(role, op, subject, ok):
     assert _allowed(PERMS[role], op, subject) is ok
@@ -185,3 +197,6 @@ def test_subject_layout():
     assert S.cancel_subscriptions("p") == ("fl.cancel.p.*", "fl.cancel.p")
     assert Subjects.reply_tenant("fl.inbox.own.acme.r1") == "acme"
     assert Subjects.reply_tenant("fl.inbox.own.r1") is None
+    assert S.stats("p") == "fl.stats.p" and S.stats_all() == "fl.stats.*"
+    with pytest.raises(ProtocolError, match="invalid pool id"):
+        S.stats("p.>")

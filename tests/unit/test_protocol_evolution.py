@@ -27,8 +27,10 @@ from fairlane.protocol import (
     Heartbeat,
     HeartbeatAck,
     InferenceRequest,
+    LoadStats,
     PoolInfo,
     PoolInfoRequest,
+    PoolStats,
     Preempt,
     Preempted,
     ProtocolError,
@@ -39,6 +41,8 @@ from fairlane.protocol import (
     Started,
     StatusBatch,
     StatusRequest,
+    TenantStats,
+    TierStats,
     TokenChunk,
     Usage,
     WorkBatch,
@@ -85,6 +89,12 @@ SAMPLES: dict[type, msgspec.Struct] = {
     StatusRequest: StatusRequest(request_id="r1", tenant="acme", request_ids=["r1", "r2"]),
     RequestStatus: RequestStatus(request_id="r1", state="ended", attempt=1, error=ERROR),
     StatusBatch: StatusBatch(statuses=[RequestStatus(request_id="r1", state="queued")]),
+    LoadStats: LoadStats(share=0.5, num_queued=3, queue_wait_p50_ms=1.5, num_rejected=1),
+    TierStats: TierStats(tier="paid", floor_share=0.3, share=0.4, ttft_p99_ms=20.0),
+    TenantStats: TenantStats(tenant="acme", tier="paid", weight=2.0, fair_share=0.25),
+    PoolStats: PoolStats(pool="p", ts_ms=5, epoch=2, num_tenants_active=1,
+                         tiers=[TierStats(tier="paid", num_in_flight=2)],
+                         tenants=[TenantStats(tenant="acme", tier="paid", share=0.1)]),
 }
 
 

@@ -300,7 +300,7 @@ PRE = ("pools", "default", "preemption")
         (PRE, [], "pools.default.preemption: expected `object`, got `array`"),
         (("pools", "gpu.a"), {}, "pools.gpu.a: pool name 'gpu.a' is invalid"),
         (("pools",), {}, "pools: must define at least one pool"),
-        (("models",), {}, "models: unknown section (expected one of: tiers, pools, tenants)"),
+        (("models",), {}, "models: unknown section (expected one of: tiers, pools, tenants, admin)"),
     ],
 )
 def test_validation_errors_name_the_field(tmp_path, path, value, match):
