@@ -39,7 +39,11 @@ from producer.stream import RequestError
 
 log = structlog.get_logger(__name__)
 # How long a publish is re-sent while its stream has no leader (a cluster's election).
-FAILOVER_RETRY_S = 10.0
+# Four PubAck timeouts (5 s each): a killed node that comes back at once can take a
+# client's reconnect before it has rejoined its cluster, and publishes sent there go
+# unanswered for a while (chaos nats_lease_leader_kill: 7 of 150 resumes ran out of a
+# 10 s window).
+FAILOVER_RETRY_S = 20.0
 
 
 async def open_connection(nats_url: str, *, prefix: str = "fl", tenant: str | None = None,

@@ -167,10 +167,18 @@ class RequestStream:
                     continue  # duplicate delivery: drop
                 if chunk.seq > self._next_seq:
                     gap = f"token stream gap: expected seq {self._next_seq}, got {chunk.seq}"
+                    tried = self._resumable(ErrorInfo.of(ErrorCode.STREAM_LOST, gap))
                     if await self._resume_after_gap(gap):
                         continue
-                    self.failure = ErrorInfo.of(ErrorCode.INTERNAL, gap)
+                    # Not resumable (budget spent) is an error of the stream; a resume
+                    # the fleet did not take (no stream leader within the failover
+                    # window) is retryable: the attempt was cancelled, a retry of the
+                    # id runs the next one.
+                    self.failure = (ErrorInfo.of(ErrorCode.STREAM_LOST,
+                                                 f"{gap}; resuming it failed") if tried
+                                    else ErrorInfo.of(ErrorCode.INTERNAL, gap))
                     await self.cancel(GAP_CANCEL_REASON)
+                    self._client._note_end(self)
                     raise RequestError.from_info(self.failure)
                 self._next_seq += 1
                 self._num_tokens += chunk.num_tokens

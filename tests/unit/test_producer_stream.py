@@ -12,9 +12,10 @@ import asyncio
 
 import pytest
 
+from fairlane.errors import ErrorCode
 from fairlane.protocol import InferenceRequest, TokenChunk, WorkItem
 from gpu_worker.inflight import InFlight
-from producer.stream import RequestStream
+from producer.stream import RequestError, RequestStream
 from tests.helpers import request
 
 pytestmark = [pytest.mark.unit]
@@ -54,3 +55,49 @@ async def test_worker_stamps_the_attempt_it_serves() -> None:
     r.buf_text.append("x")
     r.buf_num_tokens = 1
     assert r.take_chunk().attempt == 3
+
+
+class _Client:
+    """What a stream asks of its client around a gap; the continuation's publish is
+    refused (no stream leader answered within the failover window)."""
+
+    def __init__(self) -> None:
+        self.cancels: list[str] = []
+        self.retry_next: set[str] = set()
+
+    async def cancel(self, request_id, pool, tenant, reason) -> None:
+        self.cancels.append(reason)
+
+    async def _await_attempt_end(self, stream) -> None:
+        return None
+
+    async def _resume(self, stream, error) -> bool:
+        stream.failure = error
+        return False
+
+    def _note_end(self, stream) -> None:
+        if stream.failure is not None and stream.failure.retryable:
+            self.retry_next.add(stream.request_id)
+
+    def _forget(self, request_id) -> None:
+        return None
+
+
+async def test_a_gap_whose_resume_is_refused_fails_retryably() -> None:
+    """A gap in the token stream cancels the attempt and resumes from the tokens read;
+    when the fleet does not take the continuation, the caller gets a retryable
+    `stream_lost` (a retry runs the next attempt), not `internal`."""
+    client = _Client()
+    s = RequestStream("r1", "acme", "p", client, asyncio.Queue(), attempt=0)
+    s._request = request(request_id="r1", tenant="acme", tier="paid", pool="p", prompt="hi",
+                         max_tokens=8, reply_to="fl.inbox.o.acme.r1")
+    s._resumes_left = 2
+    s._offer(TokenChunk(request_id="r1", seq=0, text="a", num_tokens=1, token_ids=[7],
+                        attempt=0))
+    s._offer(TokenChunk(request_id="r1", seq=2, text="c", num_tokens=1, token_ids=[9],
+                        attempt=0))
+    with pytest.raises(RequestError) as err:
+        async for _ in s:
+            pass
+    assert err.value.code is ErrorCode.STREAM_LOST and err.value.retryable
+    assert client.cancels and "r1" in client.retry_next
