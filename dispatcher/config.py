@@ -34,6 +34,9 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     # gets a retryable worker_lost error.
     worker_timeout_ms: PositiveInt = 3_500
     housekeeping_ms: PositiveInt = 200  # period of expiry, shedding and liveness checks
+    # A tenant with nothing queued or in flight this long is forgotten: its scheduler
+    # state (a debt is kept until repaid) and its /metrics series.
+    tenant_idle_s: PositiveFloat = 600.0
     # Requests on a tier this pool lacks get an error and leave the stream at the next
     # sweep; those for a pool nobody was seen leading, after stranded_after_s.
     stranded_after_s: PositiveFloat = 10.0  # how long a pool must go unled before its requests are refused

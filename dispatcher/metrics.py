@@ -2,11 +2,24 @@
 
 Gauges are refreshed from the scheduler on each housekeeping pass rather than on every
 decision, so the hot path only touches counters.
+
+Per-tenant series follow the scheduler's live tenants, not every tenant ever seen: each
+pass sets the gauges of the tenants whose load changed since the last one, and removes
+every per-tenant series (gauges, ``dispatched_cost_total``, ``preemptions_total``) of
+the tenants the scheduler forgot, idle for ``--tenant-idle-s``
+(`dispatcher.scheduler.loads`). A pass costs O(tenants changed + forgotten + tiers),
+and ``/metrics`` stays as long as the active set. A tenant that comes back after that
+starts its counters from 0 again (Prometheus reads it as a counter reset).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from dispatcher.scheduler.loads import TenantChanges
 
 INGESTED = Counter("fairlane_dispatcher_ingested_total", "Request messages fetched from JetStream")
 REJECTED = Counter("fairlane_dispatcher_rejected_total", "Requests refused or dropped", ["reason"])
@@ -42,12 +55,32 @@ TIER_SHARE = Gauge(
 TIER_QUEUE_DEPTH = Gauge("fairlane_dispatcher_tier_queue_depth", "Requests queued per tier", ["tier"])
 
 
-def observe_scheduler(scheduler, now_ms: float) -> None:
-    """Refresh gauges from the scheduler's per-tenant loads and per-tier figures."""
-    for tenant, load in scheduler.tenant_loads().items():
-        QUEUE_DEPTH.labels(tenant=tenant).set(load.num_queued)
-        IN_FLIGHT.labels(tenant=tenant).set(load.num_in_flight)
+def observe_scheduler(scheduler, now_ms: float, changes: TenantChanges) -> None:
+    """Refresh gauges from what the last housekeeping tick found (`PoolCore.tenant_changes`)
+    and the scheduler's per-tier figures."""
+    for tenant, load in changes.changed.items():
+        QUEUE_DEPTH.labels(tenant).set(load.num_queued)
+        IN_FLIGHT.labels(tenant).set(load.num_in_flight)
+    depths = scheduler.tier_queue_depths()
+    if changes.forgotten:
+        remove_tenants(changes.forgotten, depths.keys())
     for tier, share in scheduler.tier_shares(now_ms).items():
         TIER_SHARE.labels(tier=tier).set(share)
-    for tier, depth in scheduler.tier_queue_depths().items():
+    for tier, depth in depths.items():
         TIER_QUEUE_DEPTH.labels(tier=tier).set(depth)
+
+
+def remove_tenants(tenants: Iterable[str], tiers: Iterable[str]) -> None:
+    """Remove every per-tenant series of these tenants, in any of `tiers`."""
+    tiers = list(tiers)
+    for tenant in tenants:
+        for metric in (QUEUE_DEPTH, IN_FLIGHT):
+            _remove(metric, tenant)
+        for tier in tiers:
+            _remove(DISPATCHED_COST, tenant, tier)
+            _remove(PREEMPTIONS, tier, tenant)
+
+
+def _remove(metric, *labelvalues: str) -> None:
+    with contextlib.suppress(KeyError):  # absent: older prometheus_client raise
+        metric.remove(*labelvalues)

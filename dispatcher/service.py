@@ -101,6 +101,7 @@ class Dispatcher(Ingest):
         # Every recovery decision (worker loss, reconciliation, restart grace,
         # adoption) is the pure core's; this shell executes its actions (`_apply`).
         self.core = PoolCore(self.scheduler, s.worker_timeout_ms)
+        self.core.tenant_idle_ms = s.tenant_idle_s * 1000
         self.workers = self.core.workers
         self._held = HeldMessages(s.ack_wait_s)
         self._pulls: deque[_Pull] = deque()
@@ -393,12 +394,12 @@ class Dispatcher(Ingest):
             self.core.on_reconnected(now)
             log.info("nats_reconnected", pool=self.settings.pool)
         await self._apply(self.core.tick(now))
+        metrics.observe_scheduler(self.scheduler, now, self.core.tenant_changes)
         await self._maybe_preempt(now)
         await self._held.keep_alive(now)
         if self.tenants is not None and now >= self._next_reload_ms:
             self._next_reload_ms = now + self._reload_every_ms
             self._reload_tenants()
-        metrics.observe_scheduler(self.scheduler, now)
 
     def _reload_tenants(self) -> None:
         try:

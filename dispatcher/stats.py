@@ -57,7 +57,7 @@ from dispatcher.scheduler.actions import Action, Hold, SendError
 from dispatcher.scheduler.pool import PoolCore, PoolObserver
 from dispatcher.scheduler.types import QueuedRequest
 from fairlane.errors import ErrorCode
-from fairlane.poolconfig import SchedulerConfig
+from fairlane.poolconfig import MAX_UNKNOWN_CACHED, SchedulerConfig
 from fairlane.protocol import PoolStats, TenantStats, TierStats
 
 WINDOW_MS = 60_000.0
@@ -162,8 +162,8 @@ class StatsTracker(PoolObserver):
         self._tiers: dict[str, _Recent] = {}
         self._tenants: dict[str, _Recent] = {}
         # Recent dispatched cost per tenant: the scheduler's cumulative (trued-up)
-        # figure, differenced and decayed at each snapshot.
-        self._cum: dict[str, float] = {}
+        # figure, differenced (from `TenantLoad.sampled_cost`) and decayed at each
+        # snapshot.
         self._recent: dict[str, float] = {}
         self._sampled_ms: float | None = None
         self._config: SchedulerConfig | None = None  # _configs is of this one
@@ -223,8 +223,9 @@ class StatsTracker(PoolObserver):
         self._recent = {t: c * f for t, c in self._recent.items() if c * f > floor}
 
     def _config_of(self, cfg: SchedulerConfig, tenant: str) -> tuple[str, float]:
-        """(tier, weight) of a tenant by the pool's config, cached until it changes."""
-        if cfg is not self._config:
+        """(tier, weight) of a tenant by the pool's config, cached until it changes
+        (or the cache is full: tenants leave it as they leave the snapshot's rows)."""
+        if cfg is not self._config or len(self._configs) >= MAX_UNKNOWN_CACHED:
             self._config, self._configs = cfg, {}
         out = self._configs.get(tenant)
         if out is None:
@@ -254,13 +255,14 @@ class StatsTracker(PoolObserver):
             n = 0
             if load is not None:
                 n = load.num_queued + load.num_in_flight
-                cost, last = load.dispatched_cost, self._cum.get(tenant, 0.0)
+                cost, last = load.dispatched_cost, load.sampled_cost
                 if cost != last:
                     recent = self._recent[tenant] = max(recent + cost - last, 0.0)
-                    self._cum[tenant] = cost
+                    load.sampled_cost = cost
             seen = self._tenants.get(tenant)
             if not (n or seen):  # idle, and no event in the window: its rest of share
                 self._recent.pop(tenant, None)  # is left out (e^-6 of it at most)
+                self._configs.pop(tenant, None)
                 continue
             tier, weight = self._config_of(cfg, tenant)
             if seen is not None:

@@ -9,6 +9,7 @@ a pool's `SchedulerConfig` is built from a file and command-line overrides.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -33,6 +34,9 @@ DEFAULT_MAX_QUEUED_TOTAL = 1_000_000
 # unknown API keys, and NATS auth confines a direct publisher to its own subjects; a
 # pool that must refuse strangers says so (the demo tenants file does).
 DEFAULT_ALLOW_UNKNOWN_TENANTS = True
+# Unlisted tenants' settings are cached per name (quota checks ask on every decision);
+# the scheduler drops idle ones, and this bounds the cache whatever calls `tenant`.
+MAX_UNKNOWN_CACHED = 100_000
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -136,8 +140,15 @@ class SchedulerConfig:
             # Cached: this runs on every quota check, so don't allocate each time.
             cfg = self._unknown.get(name)
             if cfg is None:
+                if len(self._unknown) >= MAX_UNKNOWN_CACHED:  # bounded: oldest out first
+                    del self._unknown[next(iter(self._unknown))]
                 cfg = self._unknown[name] = dataclasses.replace(self.default_tenant, name=name)
         return cfg
+
+    def forget_unknown(self, names: Iterable[str]) -> None:
+        """Drop the cached settings of these tenants (the scheduler forgot them: idle)."""
+        for name in names:
+            self._unknown.pop(name, None)
 
     def tier(self, name: str) -> TierConfig | None:
         for t in self.tiers:

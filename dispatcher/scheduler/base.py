@@ -9,7 +9,7 @@ requests left the engine — the only event that can make it eligible again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,6 +146,12 @@ class Policy(Protocol):
     def on_release(self, tenant: str, now_ms: float) -> None:
         """One of `tenant`'s in-flight requests left: parked queues may be eligible again."""
         ...
+    def forget_idle(self, tenants: Iterable[str], now_ms: float) -> None:
+        """These tenants had nothing queued or in flight for the scheduler's idle period:
+        drop the state they owe nothing on (memory follows the active tenants, not every
+        tenant ever seen). A debt is kept until it is repaid: nobody gains share by
+        under-declaring and then waiting."""
+        ...
     def update_config(self, config: SchedulerConfig) -> None:
         """Hot reload: new weights, quantum and tenants apply from the next decision on.
         Policy-specific state (rings, heaps, credits) is kept."""
@@ -188,11 +194,13 @@ class TenantBook:
         self.config = config
         self.states: dict[tuple[str, str], TenantState] = {}
         self.parked: dict[str, list[TenantState]] = {}
+        self.tiers: set[str] = set()  # every tier a state was made for (few)
 
     def state(self, req: QueuedRequest) -> TenantState:
         key = (req.tier, req.tenant)
         st = self.states.get(key)
         if st is None:
+            self.tiers.add(req.tier)
             tcfg = self.config.tenant(req.tenant)
             st = self.states[key] = TenantState(
                 req.tenant, req.tier, tcfg.weight if tcfg else 1.0
@@ -250,6 +258,13 @@ class TenantBook:
             s.share = share
             s.excess = (s.num_running - share) / s.weight
         return out
+
+    def idle_states(self, tenant: str) -> list[TenantState]:
+        """The tenant's states with nothing queued, neither active nor parked (one per
+        tier it used: O(tiers))."""
+        found = (self.states.get((tier, tenant)) for tier in self.tiers)
+        return [st for st in found
+                if st is not None and not st.queue and not st.active and not st.parked]
 
     def forget_if_idle(self, st: TenantState) -> None:
         """Drop the state of an idle tenant that owes nothing (bounded memory under

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 from dispatcher.scheduler.actions import SendError
 from dispatcher.scheduler.cost import make_cost_model
+from dispatcher.scheduler.loads import TenantChanges, TenantLoad, TenantLoads
 from dispatcher.scheduler.policies import Policy, make_policy
 from dispatcher.scheduler.preempt import Preemptor, WorkerOf, continuation_cost
 from dispatcher.scheduler.tenant_queue import shed_victims
@@ -36,7 +37,6 @@ from dispatcher.scheduler.types import (
     InFlight,
     PreemptionOrder,
     QueuedRequest,
-    TenantLoad,
     Verdict,
 )
 from fairlane.poolconfig import SchedulerConfig, TenantConfig
@@ -57,7 +57,7 @@ class Scheduler:
         self.rate = RateMeter(config.throttle_window_ms) if config.throttle_window_ms > 0 else None
         self._queued: dict[str, QueuedRequest] = {}
         self._in_flight: dict[str, InFlight] = {}
-        self._loads: dict[str, TenantLoad] = {}
+        self._loads = TenantLoads()  # per tenant, forgotten when idle (`sweep_tenants`)
         self._next_seq = 0
         # Throttling's fair-share inputs: per (tier, tenant) queued counts, and per tier
         # the total weight of its backlogged tenants. Both O(1) to maintain.
@@ -108,7 +108,16 @@ class Scheduler:
         return self._in_flight.items()
 
     def tenant_loads(self) -> dict[str, TenantLoad]:
-        return self._loads
+        return self._loads.loads
+
+    def sweep_tenants(self, now_ms: float, idle_ms: float) -> TenantChanges:
+        """Forget tenants idle for `idle_ms`, with the policy state they owe nothing on
+        (`dispatcher.scheduler.loads`): O(tenants changed + forgotten)."""
+        changes = self._loads.sweep(now_ms, idle_ms)
+        self.config.forget_unknown(changes.forgotten)
+        self.policy.forget_idle(changes.forgotten, now_ms)
+        self.preemptor.forget(changes.forgotten, [t.name for t in self.tiers.tiers])
+        return changes
 
     def tenant_config(self, tenant: str) -> TenantConfig | None:
         return self.config.tenant(tenant)
@@ -142,12 +151,6 @@ class Scheduler:
             ahead_cost=sum(self.tiers.queued_cost[: i + 1]),
         )
 
-    def _load(self, tenant: str) -> TenantLoad:
-        load = self._loads.get(tenant)
-        if load is None:
-            load = self._loads[tenant] = TenantLoad()
-        return load
-
     # --- admission ---------------------------------------------------------------------
 
     def _reject(self, code: ErrorCode, message: str, retry_ms: int | None = None) -> Admission:
@@ -161,7 +164,7 @@ class Scheduler:
         tcfg = self.config.tenant(req.tenant)
         if tcfg is None:
             return self._reject(ErrorCode.UNKNOWN_TENANT, f"unknown tenant {req.tenant!r}")
-        load = self._load(req.tenant)
+        load = self._loads.touch(req.tenant)
         if tcfg.max_queued is not None and load.num_queued >= tcfg.max_queued:
             return self._reject(
                 ErrorCode.QUEUE_FULL,
@@ -203,7 +206,7 @@ class Scheduler:
     def _enqueue(self, req: QueuedRequest, now_ms: float) -> None:
         self._queued[req.request_id] = req
         req.enqueued_ms = now_ms
-        load = self._load(req.tenant)
+        load = self._loads.touch(req.tenant)
         load.num_queued += 1
         load.queued_cost += req.est_cost
         i = self.tiers.index(req.tier)
@@ -220,7 +223,7 @@ class Scheduler:
     def _unqueue(self, req: QueuedRequest) -> None:
         """Bookkeeping for a request leaving the queue (already out of `_queued`)."""
         self.preemptor.unhome(req)
-        load = self._load(req.tenant)
+        load = self._loads.touch(req.tenant)
         load.num_queued -= 1
         load.queued_cost = load.queued_cost - req.est_cost if load.num_queued else 0.0
         i = self.tiers.index(req.tier)
@@ -236,9 +239,6 @@ class Scheduler:
 
     # --- selection ---------------------------------------------------------------------
 
-    def within_quota(self, tenant: str, kv_tokens: int) -> bool:
-        return self._within_quota(tenant, kv_tokens)
-
     def _within_quota(self, tenant: str, kv_tokens: int) -> bool:
         tcfg = self.config.tenant(tenant)
         if tcfg is None:
@@ -253,6 +253,8 @@ class Scheduler:
             and load.num_in_flight > 0  # one request always fits, or it would wait forever
             and load.kv_tokens_in_flight + kv_tokens > tcfg.max_kv_tokens
         )
+
+    within_quota = _within_quota
 
     def _pick(self, now_ms: float) -> QueuedRequest | None:
         # Try tiers in the selector's order; a tier whose tenants are all quota-blocked
@@ -300,7 +302,7 @@ class Scheduler:
         cost = self.policy.charge(req, now_ms)
         req.est_cost = cost
         req.est_kv_tokens = req.kv_tokens
-        load = self._load(req.tenant)
+        load = self._loads.touch(req.tenant)
         # Engine priority = tier priority x 1000 + the tenant's requests already in
         # flight. Within a tier the engine's waiting queue then serves tenants with
         # less running first (a small tenant does not queue behind a flood's prefetched
@@ -365,7 +367,7 @@ class Scheduler:
         f = self._in_flight.pop(request_id, None)
         if f is None:
             return None
-        load = self._load(f.request.tenant)
+        load = self._loads.touch(f.request.tenant)
         load.num_in_flight -= 1
         load.kv_tokens_in_flight -= f.request.est_kv_tokens
         self.policy.on_release(f.request.tenant, now_ms)  # may un-park the tenant
@@ -384,7 +386,7 @@ class Scheduler:
                 # request's): the whole is trued up by its counts, as its runs were.
                 usage = ActualUsage(usage.prompt_tokens, usage.completion_tokens)
             delta = self.policy.true_up(req, usage, now_ms)
-            self._load(req.tenant).dispatched_cost += delta
+            self._loads.touch(req.tenant).dispatched_cost += delta
             self.tiers.add_cost(f.tier_index, delta, now_ms)
         return req
 
@@ -397,7 +399,7 @@ class Scheduler:
         self._release(request_id, now_ms)
         req = f.request
         refund = self.policy.refund(req, now_ms)
-        self._load(req.tenant).dispatched_cost -= refund
+        self._loads.touch(req.tenant).dispatched_cost -= refund
         self.tiers.add_cost(f.tier_index, -refund, now_ms)
         if self.rate is not None:
             self.rate.add(now_ms, -refund)
@@ -437,7 +439,7 @@ class Scheduler:
         req.requeued = True
         self.policy.push_front(req, now_ms)  # first: an idle tenant would forfeit the refund
         delta = self.policy.true_up(req, ActualUsage(req.prompt_tokens, done), now_ms)
-        self._load(req.tenant).dispatched_cost += delta
+        self._loads.touch(req.tenant).dispatched_cost += delta
         self.tiers.add_cost(f.tier_index, delta, now_ms)
         if self.rate is not None:
             self.rate.add(now_ms, delta)
@@ -446,9 +448,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.resume_cost = req.est_cost = continuation_cost(self.cost_model, req)
         self._enqueue(req, now_ms)
-        if worker_id is not None:
-            self.preemptor.home(req, worker_id)
-        self.preemptor.preempted[(req.tier, req.tenant)] += 1
+        self.preemptor.on_preempted(req, worker_id)
         return req
 
     def cancel(self, request_id: str) -> QueuedRequest | None:

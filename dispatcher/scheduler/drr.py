@@ -19,12 +19,17 @@ Departures from textbook DRR, deliberately:
 - a tenant whose queue empties forfeits positive deficit (as in DRR) but *keeps debt*
   (a negative deficit from a true-up): nobody gains share by under-declaring;
 - parking a blocked tenant does not reset its deficit.
+
+Memory follows the active tenants: an idle tenant that owes nothing has no state (it
+is dropped when its queue empties, or by `forget_idle` once the scheduler has seen it
+idle for its idle period). A tenant in debt keeps its state, however long it stays
+away, until its turns repay the debt: dropped only when settled.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from dispatcher.scheduler.base import (
     Eligible,
@@ -135,6 +140,13 @@ class DrrPolicy:
         for st in self._book.unpark(tenant):
             self._activate(st)
 
+    def forget_idle(self, tenants: Iterable[str], now_ms: float) -> None:
+        # Idle states usually went when their queue emptied (`pop`); what is left is
+        # state made again by a later true-up or refund, and debt, which is kept.
+        for tenant in tenants:
+            for st in self._book.idle_states(tenant):
+                self._book.forget_if_idle(st)
+
     # --- accounting --------------------------------------------------------------------
 
     def update_config(self, config: SchedulerConfig) -> None:
@@ -156,10 +168,13 @@ class DrrPolicy:
     def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
         # A continuation's earlier runs were charged `paid_cost`: the total is trued up.
         delta = self.cost_model.actual(req, usage) - req.est_cost - req.paid_cost
+        if delta <= 0 and (req.tier, req.tenant) not in self._book.states:
+            return delta  # forgotten, idle: credit would be forfeit at once anyway
         st = self._book.state(req)
         st.credit -= delta
         if st.credit > 0 and not st.active and not st.parked:
             st.credit = 0.0  # idle tenants carry debt, never credit
+        self._book.forget_if_idle(st)  # owes nothing and idle: no state needed
         return delta
 
     def fair_shares(self, tier: str, running: Mapping[str, int], num_slots: int) -> SlotShares:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from dispatcher.scheduler.base import Eligible, FairShares, Policy, estimate_cost
 from dispatcher.scheduler.cost import CostModel, make_cost_model
@@ -93,6 +93,9 @@ class FifoPolicy:
 
     def on_release(self, tenant: str, now_ms: float) -> None:
         pass
+
+    def forget_idle(self, tenants: Iterable[str], now_ms: float) -> None:
+        pass  # no per-tenant state
 
     def update_config(self, config: SchedulerConfig) -> None:
         pass  # FIFO has no per-tenant state: weights do not affect its order

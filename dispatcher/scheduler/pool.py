@@ -51,6 +51,7 @@ from dispatcher.scheduler.actions import (
     refuse,
 )
 from dispatcher.scheduler.core import Scheduler
+from dispatcher.scheduler.loads import TenantChanges
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest, Verdict
 from dispatcher.scheduler.workers import WorkerRegistry, WorkerState
 from fairlane.protocol import ErrorCode, RequestState
@@ -98,6 +99,9 @@ class PoolCore:
     ended_ttl_ms = 120_000.0
     max_ended = 200_000  # bound on that memory (oldest forgotten first)
     defer_margin_ms = 250.0  # a deferred redelivery comes back this long after the grace
+    # A tenant with nothing queued or in flight this long is forgotten (its load, the
+    # policy state it owes nothing on, its metrics series): --tenant-idle-s.
+    tenant_idle_ms = 600_000.0
 
     def __init__(self, scheduler: Scheduler, worker_timeout_ms: float) -> None:
         self.scheduler = scheduler
@@ -108,6 +112,9 @@ class PoolCore:
         self._checking: dict[str, str] = {}  # request id -> why its start is being checked
         self._forget_deferred_ms = 0.0
         self.observer = PoolObserver()
+        # What the last `tick` found: tenants whose load changed, tenants forgotten
+        # (the dispatcher's per-tenant metrics follow it, `dispatcher.metrics`).
+        self.tenant_changes = TenantChanges()
 
     # --- restart grace -----------------------------------------------------------------
 
@@ -429,7 +436,7 @@ class PoolCore:
 
     def tick(self, now_ms: float) -> list[Action]:
         """Housekeeping: end the restart grace, expire and shed queued work, declare
-        silent workers lost."""
+        silent workers lost, forget idle tenants (`tenant_changes`)."""
         out: list[Action] = []
         if self._grace_until_ms and now_ms >= self._grace_until_ms:
             out.extend(self._end_grace(now_ms))
@@ -439,6 +446,7 @@ class PoolCore:
             out += [error, Term(error.request, error.code.value)]
         for w in self.workers.dead_workers(now_ms):
             out.extend(self._worker_lost(w, now_ms))
+        self.tenant_changes = self.scheduler.sweep_tenants(now_ms, self.tenant_idle_ms)
         return self._remember(out, now_ms)
 
     def _end_grace(self, now_ms: float) -> list[Action]:

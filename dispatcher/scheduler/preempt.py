@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from dispatcher.scheduler.base import FairShares, Standing
@@ -113,6 +113,20 @@ class Preemptor:
         return None
 
     # --- continuations go home: resumed where the prefix cache holds their tokens ----------
+
+    def on_preempted(self, req: QueuedRequest, worker_id: str | None) -> None:
+        """`req` was preempted on `worker_id` and is queued again as a continuation."""
+        self.preempted[(req.tier, req.tenant)] += 1
+        if worker_id is not None:
+            self.home(req, worker_id)
+
+    def forget(self, tenants: Iterable[str], tiers: Iterable[str]) -> None:
+        """These tenants were idle for the scheduler's idle period: their counts go."""
+        if self.preempted:
+            tiers = list(tiers)
+            for tenant in tenants:
+                for tier in tiers:
+                    self.preempted.pop((tier, tenant), None)
 
     def home(self, req: QueuedRequest, worker_id: str) -> None:
         req.home_worker = worker_id

@@ -56,6 +56,9 @@ class TenantLoad:
     kv_tokens_in_flight: int = 0
     dispatched_cost: float = 0.0  # cumulative, trued up to actual usage
     queued_cost: float = 0.0  # estimated cost of the requests waiting
+    # `dispatched_cost` when the stats snapshot last sampled it (`dispatcher.stats`):
+    # kept here, it goes when the load is forgotten, and a fresh load starts from 0.
+    sampled_cost: float = 0.0
 
 
 @dataclass(slots=True)

@@ -10,13 +10,20 @@ so debt from a true-up survives.
 Per tier, a min-heap of active tenants keyed by counter, with lazy invalidation by a
 version number: O(log n) per decision. Quota-blocked tenants are parked exactly as in
 DRR and come back on `on_release`.
+
+Memory follows the active tenants: an idle tenant whose counter is at or below the
+tier's floor would be lifted to the floor on return, so its state can go. When the
+scheduler reports a tenant idle (`forget_idle`), its state goes if so; if not (it was
+served more than the others since: debt, in effect), it waits in a per-tier heap of
+idle states keyed by counter and goes when the floor passes its counter, which each
+pass checks from the heap's top: O(states forgotten), never a scan.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from dispatcher.scheduler.base import (
     Eligible,
@@ -43,6 +50,7 @@ class VtcPolicy:
         self._heaps: dict[str, list[_Entry]] = {}
         self._last: dict[str, float] = {}  # per tier: counter of the tenant served last
         self._unique = itertools.count()
+        self._idle: dict[str, list[_Entry]] = {}  # per tier: idle states above the floor
 
     @staticmethod
     def _counter(st: TenantState) -> float:
@@ -70,11 +78,14 @@ class VtcPolicy:
             heapq.heappop(heap)
         return None
 
+    def _floor(self, tier: str) -> float:
+        """What a newly backlogged tenant of `tier` is lifted to."""
+        floor = self._min_counter(tier)
+        return self._last.get(tier, 0.0) if floor is None else floor
+
     def lift(self, st: TenantState) -> None:
         """Counter lift on arrival of a newly backlogged tenant."""
-        floor = self._min_counter(st.tier)
-        if floor is None:
-            floor = self._last.get(st.tier, 0.0)
+        floor = self._floor(st.tier)
         if self._counter(st) < floor:
             st.credit = -floor
 
@@ -127,16 +138,32 @@ class VtcPolicy:
     def _forget(self, st: TenantState) -> None:
         # An idle tenant at or below the tier's floor would be lifted to the floor on
         # return anyway, so its state can go; one above the floor keeps its debt.
-        floor = self._min_counter(st.tier)
-        if floor is None:
-            floor = self._last.get(st.tier, 0.0)
-        if self._counter(st) <= floor:
+        if self._counter(st) <= self._floor(st.tier):
             self._book.states.pop((st.tier, st.tenant), None)
 
     def on_release(self, tenant: str, now_ms: float) -> None:
         for st in self._book.unpark(tenant):
             if not st.active:
                 self._heap_push(st)
+
+    def forget_idle(self, tenants: Iterable[str], now_ms: float) -> None:
+        for tenant in tenants:
+            for st in self._book.idle_states(tenant):
+                heap = self._idle.setdefault(st.tier, [])
+                heapq.heappush(heap, (self._counter(st), next(self._unique), st.version, st))
+        states = self._book.states
+        for tier, heap in self._idle.items():
+            floor = self._floor(tier)
+            while heap and heap[0][0] <= floor:
+                _, _, version, st = heapq.heappop(heap)
+                if (version != st.version or st.active or st.parked or st.queue
+                        or states.get((st.tier, st.tenant)) is not st):
+                    continue  # back since (the scheduler reports it again when idle)
+                counter = self._counter(st)
+                if counter <= floor:
+                    del states[(st.tier, st.tenant)]
+                else:  # its counter rose since it was indexed: index it anew
+                    heapq.heappush(heap, (counter, next(self._unique), version, st))
 
     # --- accounting --------------------------------------------------------------------
 
