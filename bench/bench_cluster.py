@@ -123,18 +123,27 @@ def _report(rounds: list[dict], args: argparse.Namespace) -> str:
     def med(xs: list[float]) -> float:
         return quantile(xs, 0.5)
 
-    lines = [f"# 3-node NATS cluster vs one node ({dt.date.today()}, `python bench/bench_cluster.py"
-             f" --rounds {args.rounds}`)", "",
-             f"Machine: {machine()}; commit {git_rev()}. {args.rounds} rounds per topology, "
-             f"interleaved; light load {args.light_requests} sequential requests (4 tokens), "
-             f"throughput {args.load_requests} requests (2 tokens) at concurrency "
-             f"{args.concurrency}; simulator time scale {args.time_scale}. All on one machine.",
-             "", "| metric | 1 node (median of rounds) | 3 nodes, R3 | 3 ÷ 1 |", "|---|---|---|---|"]
+    def rng(xs: list[float]) -> str:
+        return f"{min(xs):.1f}–{max(xs):.1f}"
+
+    command = "python bench/bench_cluster.py " + " ".join(sys.argv[1:])
+    lines = [f"# 3-node NATS cluster vs one node ({dt.date.today()}, `{command.strip()}`)", "",
+             f"Machine: {machine()}; commit {git_rev()}. {args.rounds} rounds, each running "
+             f"both topologies, the order alternated every round; light load "
+             f"{args.light_requests} sequential requests (4 tokens) per round (each round's "
+             f"p99 from those samples), throughput {args.load_requests} requests (2 tokens) at "
+             f"concurrency {args.concurrency}; simulator time scale {args.time_scale}. All on "
+             "one machine. Median of rounds (min–max).",
+             "", "| metric | 1 node | 3 nodes, R3 | 3 ÷ 1 (median of per-round ratios) |",
+             "|---|---|---|---|"]
     for key, label in (("req_per_s", "throughput, requests/s"),
                        ("ttft_ms_p50", "light-load TTFT p50, ms"),
                        ("ttft_ms_p99", "light-load TTFT p99, ms")):
-        one, three = med(pooled(1, key)), med(pooled(3, key))
-        lines.append(f"| {label} | {one:.1f} | {three:.1f} | {three / one:.2f} |")
+        ones, threes = pooled(1, key), pooled(3, key)
+        ratios = [t / o for o, t in zip(ones, threes, strict=True)]
+        lines.append(f"| {label} | {med(ones):.1f} ({rng(ones)}) | {med(threes):.1f} "
+                     f"({rng(threes)}) | {med(ratios):.2f} ({min(ratios):.2f}–"
+                     f"{max(ratios):.2f}) |")
     lines += ["", "Rounds:", "", "```", *(json.dumps(r) for r in rounds), "```", ""]
     return "\n".join(lines)
 
@@ -142,7 +151,7 @@ def _report(rounds: list[dict], args: argparse.Namespace) -> str:
 async def run(args: argparse.Namespace) -> str:
     rounds = []
     for i in range(args.rounds):
-        for size in (1, 3):
+        for size in ((1, 3) if i % 2 == 0 else (3, 1)):  # order alternated
             r = await _one_round(size, args)
             r.update(round=i, size=size)
             print(json.dumps(r), flush=True)
@@ -152,8 +161,8 @@ async def run(args: argparse.Namespace) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--light-requests", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--light-requests", type=int, default=200)  # a p99 needs >= 200
     ap.add_argument("--load-requests", type=int, default=1500)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--time-scale", type=float, default=0.02)
