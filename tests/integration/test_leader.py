@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats
 import pytest
 
 from dispatcher.config import DispatcherSettings
@@ -79,7 +80,14 @@ async def test_graceful_stop_hands_over_within_2s(pair, nc):
     w = await ScriptedWorker(nc, subjects, "p", "w2").start()
     got: set[str] = set()
     while len(got) < 5 and time.monotonic() - t0 < 2:
-        got |= {i.request.request_id for i in await w.pull(max_items=8, wait_ms=300)}
+        try:
+            got |= {i.request.request_id for i in await w.pull(max_items=8, wait_ms=300)}
+        except nats.errors.NoRespondersError:
+            # As the real worker does (gpu_worker.service: a routine, debug-level retry):
+            # a pull can find no responders right after the takeover even though the
+            # standby flushed its subscriptions before `ready` (seen once in ~20 CI runs;
+            # cause not proven). The 2 s bound below still holds for the whole handover.
+            await asyncio.sleep(0.02)
     assert got == {s.request_id for s in streams}
     assert time.monotonic() - t0 < 2.5
     w.die()
