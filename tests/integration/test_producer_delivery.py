@@ -166,6 +166,16 @@ async def test_resubmitting_a_finished_request_id_is_answered_not_generated_twic
     assert started.count("same-id-1") == 1
 
 
+async def _served_once_as_attempt_0(client: FairlaneClient):
+    """Submit an 8-token request; it must complete in full as its first attempt."""
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=8,
+                                      expected_output_tokens=8))
+    done = await asyncio.wait_for(stream.collect(), 20)
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert stream.attempt == 0 and stream.num_resumes == 0
+    return stream
+
+
 async def test_duplicate_of_our_own_resend_attaches_not_a_second_attempt(fleet, nc):
     """A publish whose PubAck is lost (a stream-leader election, a node cut off) is
     sent again with the same message id; when the first copy was stored, JetStream
@@ -185,11 +195,7 @@ async def test_duplicate_of_our_own_resend_attaches_not_a_second_attempt(fleet, 
         return ack
 
     client.js.publish = publish_losing_first_ack
-    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=8,
-                                      expected_output_tokens=8))
-    done = await asyncio.wait_for(stream.collect(), 20)
-    assert done.usage is not None and done.usage.completion_tokens == 8
-    assert stream.attempt == 0 and stream.num_resumes == 0
+    stream = await _served_once_as_attempt_0(client)
     # Both sends carried attempt 0's message id; nothing was published as attempt 1.
     assert [h["Nats-Msg-Id"] for h in calls] == [stream.request_id] * 2
 
@@ -209,8 +215,4 @@ async def test_duplicate_of_our_copy_flushed_behind_our_back_attaches(fleet, nc)
         return await real_publish(subject, payload, **kw)
 
     client.js.publish = publish_after_an_early_copy
-    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=8,
-                                      expected_output_tokens=8))
-    done = await asyncio.wait_for(stream.collect(), 20)
-    assert done.usage is not None and done.usage.completion_tokens == 8
-    assert stream.attempt == 0 and stream.num_resumes == 0
+    await _served_once_as_attempt_0(client)
