@@ -64,6 +64,12 @@ class Engine(Protocol):
     def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
         """Stream deltas for one request. Raises EngineError (e.g. PromptTooLong).
 
+        The worker calls it the moment it accepts the request and iterates it from the
+        request's task: an engine may admit the request right here (the simulator
+        does, so an admission never waits for the worker's event loop), or lazily on
+        first iteration (vLLM's adapter); either way the stream's ``aclose()`` frees
+        whatever it took.
+
         Honours ``item.request.resume`` (DESIGN.md 5b): the run continues after
         ``resume.generated_token_ids`` (prefilled again after the prompt, under the
         same ``item.cache_salt`` so the prefix cache can serve them). Its deltas carry

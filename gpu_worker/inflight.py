@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fairlane.protocol import Continuation, ErrorInfo, TokenChunk, Usage, WorkItem
@@ -30,6 +31,9 @@ class InFlight:
     # engine deltas, exceptions and WAKE signals, consumed by the request's task
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
+    # The engine's stream of deltas, made when the request is accepted (`Worker._accept`)
+    # so an engine that admits on `generate()` has it before its next step boundary.
+    stream: AsyncIterator[GenerationDelta] | None = None
     started: bool = False  # first token produced (Started published)
     first_token_s: float = 0.0
     last: GenerationDelta | None = None  # latest delta: carries the accounting

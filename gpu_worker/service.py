@@ -312,6 +312,13 @@ class Worker(RequestServing):
             return
         r = InFlight(item=item)
         self._reqs[rid] = r
+        try:
+            # Into the engine now, not when the request's task first runs (see
+            # `Engine.generate`): the replacement a Preempt names takes the slot the
+            # victim just left at the very next step boundary.
+            r.stream = self.engine.generate(item)
+        except Exception as exc:  # noqa: BLE001 - PromptTooLong, EngineDead: its error chunk
+            r.queue.put_nowait(exc)
         r.task = asyncio.create_task(self._serve(r), name=f"req-{rid}")
 
     # --- cancel, heartbeat ---------------------------------------------------------
@@ -359,6 +366,16 @@ class Worker(RequestServing):
         if r is not None and not r.stopping:  # else ending anyway: its Finished says so
             r.preempted = True
             r.signal()
+            # Free the engine slot here, before the request's own task wakes up: an
+            # engine admits waiting work only at a step boundary, and a slot released
+            # a few loop turns late (behind a step's worth of token flushes) misses the
+            # next boundary and costs the replacement a whole extra step. The flag is
+            # set first, so the task ignores the stream's "abort" end and hands back
+            # the tokens its client has (`_hand_back_preempted`).
+            try:
+                await self.engine.abort(order.request_id)
+            except Exception as exc:  # noqa: BLE001 - its task aborts again on the way out
+                self.log.warning("abort_failed", request_id=order.request_id, error=repr(exc))
         if order.replacement is not None:
             # The request the slot is freed for: into the engine now, so its waiting
             # queue (ordered by engine priority) has it before the next step fills the

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -36,6 +35,7 @@ from gpu_worker.engine import Engine, EngineDead, EngineError, GenerationDelta
 from gpu_worker.inflight import WAKE, InFlight, mono_s
 from gpu_worker.lease import WorkerLease
 from gpu_worker.metrics import WorkerMetrics
+from gpu_worker.tracing import end_generation, first_token, generation_span
 
 USAGE_PUBLISH_ATTEMPTS = 5
 ACK_TIMEOUT_S = 1.0  # per attempt of the first-token JetStream ack
@@ -66,8 +66,10 @@ class RequestServing:
 
     async def _pump(self, r: InFlight) -> None:
         """Engine deltas -> the request's queue (so the server side can time flushes)."""
+        stream = r.stream
+        if stream is None:
+            return  # generate() raised at accept: the error is on the queue already
         try:
-            stream: AsyncIterator[GenerationDelta] = self.engine.generate(r.item)
             closer = getattr(stream, "aclose", None)
             try:
                 async for delta in stream:
@@ -91,6 +93,7 @@ class RequestServing:
         if r.item.traceparent:
             ids["traceparent"] = r.item.traceparent
         bound = structlog.contextvars.bind_contextvars(**ids)
+        span = generation_span(r, self.worker_id)  # None unless tracing is on (fairlane.otel)
         pump = asyncio.create_task(self._pump(r), name=f"pump-{rid}")
         coalesce_s = self.s.coalesce_ms / 1000
         outcome: object = None
@@ -118,6 +121,7 @@ class RequestServing:
                 assert isinstance(ev, GenerationDelta)
                 first = r.add(ev, mono_s())
                 if first:
+                    first_token(span)
                     if not await self._ack_started(r):
                         break  # fenced while waiting: nothing more goes out for it
                     await self._event(
@@ -138,11 +142,16 @@ class RequestServing:
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump  # closes the engine stream: the engine frees the sequence
+            closer = getattr(r.stream, "aclose", None)
+            if closer is not None:  # a pump cancelled before it ran never closed it
+                with contextlib.suppress(Exception):
+                    await closer()
         try:
             await self._finish(r, outcome)
         except Exception as exc:  # noqa: BLE001 - never let one request kill the worker
             self.log.error("finish_failed", request_id=rid, error=repr(exc))
         finally:
+            end_generation(span, r, outcome)
             self._reqs.pop(rid, None)
             self._slot_event.set()
             structlog.contextvars.reset_contextvars(**bound)

@@ -104,6 +104,42 @@ def _delta(seq: Seq, **kw: object) -> GenerationDelta:
     )
 
 
+class _SeqStream:
+    """One request's deltas (`SimEngine.generate`): an async iterator whose `aclose`
+    frees the sequence even if it was never iterated (the request was admitted when
+    the stream was made, unlike an async generator's body, which runs on first use)."""
+
+    __slots__ = ("engine", "seq", "done", "empty")
+
+    def __init__(self, engine: SimEngine, seq: Seq, *, empty: bool) -> None:
+        self.engine, self.seq, self.done = engine, seq, False
+        self.empty = empty  # a continuation with nothing left: never took a slot
+
+    def __aiter__(self) -> _SeqStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        if self.done:
+            raise StopAsyncIteration
+        stream: _Stream = self.seq.owner
+        if self.empty:
+            self.done = True
+            self.seq.state = SeqState.FINISHED
+            return _delta(self.seq, finish_reason=stream.finish_reason_at_target)
+        d = await stream.out.get()
+        if isinstance(d, BaseException):
+            await self.aclose()
+            raise d
+        if d.finish_reason is not None:
+            await self.aclose()
+        return d
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine._forget(self.seq)
+
+
 __all__ = ["SimEngine", "StepRecord"]
 
 
@@ -172,45 +208,44 @@ class SimEngine:
     async def start(self) -> None:
         self._check_alive()
         if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="sim-engine-loop")
-            log.info(
-                "sim_engine_started",
-                step_model=self.step_model.name,
-                step_model_measured=self.step_model.measured,
-                max_num_seqs=self.max_num_seqs,
-                kv_blocks_total=self.num_blocks_total,
-                kv_block_size_tokens=self.block_size,
-                max_model_len=self.max_model_len,
-                time_scale=self.time_scale,
-            )
+            self._start_loop()
 
-    async def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
+    def _start_loop(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="sim-engine-loop")
+        log.info(
+            "sim_engine_started",
+            step_model=self.step_model.name,
+            step_model_measured=self.step_model.measured,
+            max_num_seqs=self.max_num_seqs,
+            kv_blocks_total=self.num_blocks_total,
+            kv_block_size_tokens=self.block_size,
+            max_model_len=self.max_model_len,
+            time_scale=self.time_scale,
+        )
+
+    def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
+        """Admit `item` now (it is in the engine's queue when this returns) and return
+        its stream. Admission is synchronous on purpose: a real engine takes a request
+        between two steps whenever it arrives (vLLM's engine core runs in its own
+        process), so the worker's event loop being busy for a moment (flushing a
+        step's tokens) must not make a request miss the next step boundary here."""
         self._check_alive()
         if self._task is None:
-            await self.start()
-        seq = self._new_seq(item)
-        stream: _Stream = seq.owner
-        if seq.num_output_tokens >= seq.target_output_tokens:
-            # A continuation with nothing left to generate: it never takes a slot.
-            yield _delta(seq, finish_reason=stream.finish_reason_at_target)
-            return
-        self._seqs[seq.request_id] = seq
-        self.core.add(seq)
-        self._wakeup.set()
-        try:
-            while True:
-                d = await stream.out.get()
-                if isinstance(d, BaseException):
-                    raise d
-                yield d
-                if d.finish_reason is not None:
-                    return
-        finally:
-            # The consumer stopped early (cancelled, closed): free its slot and KV.
-            if seq.state is not SeqState.FINISHED:
-                self._finish(seq, None)
-            if self._seqs.get(seq.request_id) is seq:
-                del self._seqs[seq.request_id]
+            self._start_loop()
+        seq = self._new_seq(item)  # raises PromptTooLong before anything is taken
+        empty = seq.num_output_tokens >= seq.target_output_tokens
+        if not empty:
+            self._seqs[seq.request_id] = seq
+            self.core.add(seq)
+            self._wakeup.set()
+        return _SeqStream(self, seq, empty=empty)
+
+    def _forget(self, seq: Seq) -> None:
+        """The stream of `seq` is done or its consumer went away: free its slot and KV."""
+        if seq.state is not SeqState.FINISHED:
+            self._finish(seq, None)
+        if self._seqs.get(seq.request_id) is seq:
+            del self._seqs[seq.request_id]
 
     async def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
