@@ -106,6 +106,7 @@ class LeaderLease:
     # Whether the lease was released (graceful stop) just before this process took
     # it: then every redelivery is a queued request the predecessor handed back.
     predecessor_released: bool = False
+    resigned: bool = False  # `resign`: the loop ends, this holder never leads again
 
     def __post_init__(self) -> None:
         self.machine = LeaseMachine(ttl_ms=self.ttl_s * 1000)
@@ -157,9 +158,18 @@ class LeaderLease:
             return False
         return (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE")
 
+    def resign(self) -> None:
+        """Never compete for the key again (from `on_lose`): whoever owns this lease has
+        dropped its leader's state, so leading again would dispatch without it (and
+        hold the key against a standby that could take over). A fresh process or
+        `Dispatcher`, with a lease of its own, rejoins as a standby."""
+        self.resigned = True
+
     async def _loop(self) -> None:
-        while True:
+        while not self.resigned:
             await self.step()
+            if self.resigned:
+                return
             await asyncio.sleep(self.machine.next_action_ms(mono_ms()) / 1000)
 
     async def step(self) -> None:

@@ -182,8 +182,12 @@ class Dispatcher(Ingest):
                  tiers=[t.name for t in self.scheduler.config.tiers])
 
     async def _fenced(self) -> None:
-        """Lease lost: _serve_pulls already answers nothing; __main__ exits (restart = standby)."""
+        """Lease lost: answer nothing more, and never lead again (the lease resigns;
+        `__main__` rejoins with a fresh one): re-taking an expired key would serve pulls
+        stamped epoch 0, which every worker refuses and hands back, for ever."""
         self.epoch = 0
+        if self.lease is not None:
+            self.lease.resign()
         self.lease_lost.set()
 
     async def stop(self) -> None:
@@ -307,10 +311,7 @@ class Dispatcher(Ingest):
                     log.warning("worker_fenced", worker_id=ev.worker_id, incarnation=inc)
         elif isinstance(ev, Started):
             actions = self.core.on_started(ev.request_id, ev.worker_id, now, incarnation=inc)
-            since = self._preempted_at.pop(ev.request_id, None)
-            if since is not None and actions:
-                tier = actions[0].request.tier
-                metrics.RESUME_LATENCY.labels(tier=tier).observe((now - since) / 1000)
+            metrics.started(actions, self._preempted_at.pop(ev.request_id, None), now)
         elif isinstance(ev, Finished):
             if ev.usage is not None and ev.usage.num_recomputed_tokens:
                 metrics.RECOMPUTED_TOKENS.labels(tier=ev.usage.tier).inc(
@@ -339,7 +340,7 @@ class Dispatcher(Ingest):
                                          incarnation=ev.incarnation)
         if any(isinstance(a, act.Requeued) for a in actions):
             self._preempted_at[ev.request_id] = now
-            metrics.PREEMPTIONS.labels(tier=req.tier, tenant=req.tenant).inc()
+            metrics.preempted(req.tenant, req.tier)
         return actions
 
     # --- cancel ------------------------------------------------------------------------
@@ -435,7 +436,7 @@ class Dispatcher(Ingest):
                                  reason=reason)
                     await self._held.settle(held, "ack")
                 case act.Term(reason=reason):
-                    metrics.REJECTED.labels(reason=reason).inc()
+                    metrics.rejected(a.request.tenant, reason)
                     await self._held.settle(held, "term")
                 case act.Nak():
                     await self._held.settle(held, "nak")

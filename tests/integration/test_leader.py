@@ -101,3 +101,32 @@ async def test_a_fenced_leader_answers_no_pulls(pair, nc):
     pull = PullRequest(worker_id="w3", pool="p", max_items=8, wait_ms=300)
     with pytest.raises(TimeoutError):
         await nc.request(subjects.work("p"), encode(pull), timeout=1)
+
+
+async def test_a_fenced_leader_never_leads_again(nats_server, nc, uid):
+    # Alone in its pool: once fenced, nothing competes for the key, and before the fix
+    # its lease loop re-took it when it expired and the dispatcher served batches
+    # stamped epoch 0 that every worker refused and handed back, for ever. Now the
+    # lease resigns, and a fresh dispatcher takes over with a newer epoch.
+    subjects = Subjects(f"t{uid}")
+    fenced = _dispatcher(nats_server.url, subjects)
+    await asyncio.wait_for(fenced.start(), 10)
+    first_epoch = fenced.epoch
+    fenced.lease.machine.written_ms = -1e12  # as if its renewals stopped reaching NATS
+    await asyncio.wait_for(fenced.lease_lost.wait(), 5)
+    assert fenced.epoch == 0
+    await asyncio.wait_for(asyncio.shield(fenced.lease._task), 5)  # stopped competing
+    await fenced.stop()  # as `__main__` does before it rejoins with a fresh dispatcher
+    assert not fenced.lease.leading()
+    successor = _dispatcher(nats_server.url, subjects)
+    try:
+        await asyncio.wait_for(successor.start(), 10)  # the key lapses: it leads
+        assert successor.epoch > first_epoch
+        await FairlaneClient(nc, prefix=subjects.prefix).submit(
+            spec(tenant="acme", pool="p", prompt="x", max_tokens=2))
+        pull = PullRequest(worker_id="w9", pool="p", max_items=8, wait_ms=2_000)
+        batch = decode_work_batch((await nc.request(subjects.work("p"), encode(pull),
+                                                    timeout=5)).data)
+        assert batch.items and batch.epoch == successor.epoch
+    finally:
+        await successor.stop()
