@@ -22,6 +22,7 @@ import contextlib
 import os
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -165,6 +166,15 @@ class LeaderLease:
         `Dispatcher`, with a lease of its own, rejoins as a standby."""
         self.resigned = True
 
+    async def _still_ours(self) -> int | None:
+        """The key's revision if it holds this lease's value, else None."""
+        try:
+            entry = await asyncio.wait_for(self._kv.get(self.key),
+                                           timeout=self.machine.renew_every_ms / 1000)
+        except Exception:  # gone, expired, unreachable: not provably ours
+            return None
+        return entry.revision if entry.value == self.holder.encode() else None
+
     async def _loop(self) -> None:
         while not self.resigned:
             await self.step()
@@ -182,9 +192,19 @@ class LeaderLease:
                     self._kv.update(self.key, self.holder.encode(), last=m.revision),
                     timeout=m.renew_every_ms / 1000)
                 m.renewed(rev, sent)
-            except KeyWrongLastSequenceError as e:  # the key moved: someone else holds it
-                log.warning("lease_lost", key=self.key, epoch=m.epoch, error=str(e))
-                m.lost()
+            except KeyWrongLastSequenceError as e:
+                rev = await self._still_ours()
+                if rev is None:  # the key moved: someone else holds it
+                    log.warning("lease_lost", key=self.key, epoch=m.epoch, error=str(e))
+                    m.lost()
+                else:
+                    # Our own earlier renewal landed after its reply timed out: the key
+                    # still holds our value (no one can create it while it exists), so
+                    # renew from its revision at once. The fence still counts from our
+                    # last *confirmed* write, so this is as safe as any renewal.
+                    log.info("lease_resynced", key=self.key, epoch=m.epoch, revision=rev)
+                    m.revision = rev  # renewal is overdue: the loop's next step is now
+                    return
             except Exception as e:
                 # Not an answer about the key: a timeout, no stream leader for a moment (a
                 # NATS cluster node died and the bucket elects another), a reconnect. Keep
@@ -212,11 +232,14 @@ class LeaderLease:
 
 def pool_lease(js: object, prefix: str, pool: str, ttl_s: float,
                on_lose: Callable[[], Awaitable[None]], replicas: int = 1) -> LeaderLease:
-    """The lease of one pool: bucket `<prefix>_leader`, key = pool, value = host:pid."""
+    """The lease of one pool: bucket `<prefix>_leader`, key = pool, value =
+    host:pid:nonce (the nonce tells two dispatchers of one process apart: a renewal
+    whose reply was lost is recognised as ours by the value, `_still_ours`)."""
 
     async def no_op(epoch: int) -> None:
         return None
 
     return LeaderLease(js, bucket=f"{prefix}_leader", key=pool,
-                       holder=f"{socket.gethostname()}:{os.getpid()}", ttl_s=ttl_s,
+                       holder=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+                       ttl_s=ttl_s,
                        on_lead=no_op, on_lose=on_lose, replicas=replicas)

@@ -130,3 +130,22 @@ async def test_a_fenced_leader_never_leads_again(nats_server, nc, uid):
         assert batch.items and batch.epoch == successor.epoch
     finally:
         await successor.stop()
+
+
+async def test_a_renewal_that_landed_after_its_timeout_keeps_the_lease(nats_server, nc, uid):
+    # A slow broker: the leader's renewal times out on its side but the server applied
+    # it, so the revision the leader holds is stale and its next compare-and-set fails.
+    # The key still holds the leader's own value, so it is still the leader: it renews
+    # from the key's revision instead of fencing itself and failing over for nothing.
+    subjects = Subjects(f"t{uid}")
+    leader = _dispatcher(nats_server.url, subjects)
+    await asyncio.wait_for(leader.start(), 10)
+    try:
+        lease = leader.lease
+        kv = await nc.jetstream().key_value(f"{subjects.prefix}_leader")
+        landed = await kv.update("p", lease.holder.encode(), last=lease.machine.revision)
+        await wait_until(lambda: lease.machine.revision > landed, 5)  # renewed past it
+        assert not leader.lease_lost.is_set() and lease.leading()
+        assert leader.epoch == lease.machine.epoch
+    finally:
+        await leader.stop()
