@@ -86,7 +86,12 @@ class Run:
         self.dispatcher = Dispatcher(
             DispatcherSettings(nats_url=self.nats_url, prefix=self.subjects.prefix, pool=POOL,
                                max_tokens=MAX_MODEL_LEN, log_json=False),
-            SchedulerConfig(policy="drr", cost_model="tokens", preemption=pre))
+            # The quantum is one typical request's cost (prompt + 2 x output tokens, the
+            # `tokens` model), as in bench/preemption.py: with the default quantum (1.0,
+            # meant for `requests` cost) a quiet tenant's turn rarely fits its request
+            # and it may never preempt for it.
+            SchedulerConfig(policy="drr", cost_model="tokens", preemption=pre,
+                            quantum=PROMPT_TOKENS + 2 * self.args.a_tokens))
         await self.dispatcher.start()
         ws = WorkerSettings(nats_url=self.nats_url, prefix=self.subjects.prefix, pool=POOL,
                             worker_id=f"pv-{self.subjects.prefix}", engine="vllm",
@@ -225,8 +230,10 @@ def report(records, args, wall_s: float) -> str:
         f"request every {args.probe_interval_s * 1000:g} ms × {args.b_tokens} output tokens "
         f"for {args.probe_s:g} s, alone (first {args.alone_reps} repetition(s)) and during "
         f"A's burst ({args.turnover_s:g} s after the engine filled)",
-        f"- variants: drr = `preemption: {{enabled: false}}`; drr+preempt = the pool "
-        f"defaults; {args.reps} repetitions, order alternated; total {wall_s / 60:.1f} min\n",
+        f"- policy drr, `cost_model: tokens`, quantum {PROMPT_TOKENS + 2 * args.a_tokens} "
+        f"(one A request's cost); variants: drr = `preemption: {{enabled: false}}`; "
+        f"drr+preempt = the pool defaults; {args.reps} repetitions, order alternated; "
+        f"total {wall_s / 60:.1f} min\n",
         "| variant | alone n | alone p50 ms | alone tail ms | during p50 ms | during tail ms "
         "| **tail ratio during ÷ alone** | preemptions/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
