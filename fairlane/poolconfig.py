@@ -157,6 +157,27 @@ class SchedulerConfig:
         return None
 
 
+# A small chat request (32 prompt + 32 output tokens) under each cost model, roughly:
+# tokens = 32 x 1 + 32 x 2 (the default token weights); kv_seconds ~ 48 KV tokens held
+# for ~1 s. A DRR quantum below it is almost surely a leftover of the `requests` default.
+SMALL_REQUEST_COST = {"tokens": 96.0, "kv_seconds": 48.0}
+
+
+def quantum_warning(pool: str, spec: PoolSpec) -> str | None:
+    """A warning when a DRR pool's quantum is below one small request's cost under its
+    cost model: a turn then rarely fits a request (DRR needs many ring passes per
+    request) and a quiet tenant is almost never owed a preemption (its early turn is
+    one quantum). Measured: `bench/preemption_vllm.py` with cost_model tokens and the
+    default quantum 1 ordered no preemption at all."""
+    small = SMALL_REQUEST_COST.get(spec.cost_model)
+    if spec.policy != "drr" or small is None or spec.quantum >= small:
+        return None
+    return (f"pools.{pool}.quantum: {spec.quantum:g} is below one small request's cost "
+            f"under cost_model {spec.cost_model} (~{small:g}); a DRR turn rarely fits a "
+            f"request and a quiet tenant is almost never owed a preemption: set it near "
+            f"a typical request's cost (tokens: prompt + 2 x output tokens, e.g. 1024)")
+
+
 def check_policy(policy: str) -> str:
     """`policy` if it names a policy; ValueError listing the choices otherwise."""
     if policy not in POLICIES:

@@ -53,6 +53,7 @@ from fairlane.poolconfig import (
     TenantConfig,
     TierConfig,
     check_policy,
+    quantum_warning,
 )
 from fairlane.tenants_schema import TenantRecord, TenantsFileError, hash_api_key
 from fairlane.tenants_validate import Validator
@@ -208,6 +209,8 @@ def resolve_pool_config(
     """
     tf = tenants if tenants is not None else default_tenants()
     spec = tf.pool(pool)
+    if (warning := quantum_warning(pool, spec)) is not None:
+        log.warning("pool_quantum_below_one_request", pool=pool, warning=warning)
     return SchedulerConfig(
         policy=check_policy(policy_override) if policy_override else spec.policy,
         cost_model=spec.cost_model,

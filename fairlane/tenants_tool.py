@@ -34,7 +34,7 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 
-from fairlane.poolconfig import PoolSpec, TenantConfig, TierConfig
+from fairlane.poolconfig import PoolSpec, TenantConfig, TierConfig, quantum_warning
 from fairlane.protocol import ID_PATTERN
 from fairlane.tenants import TenantsFile, load_tenants, tenants_from_dict
 from fairlane.tenants_schema import (
@@ -320,6 +320,9 @@ def cmd_tenants(argv: list[str]) -> int:
             print(f"ok: {_plural(len(loaded.tenants), 'tenant')}, "
                   f"{_plural(len(loaded.pools), 'pool')}, "
                   f"{_plural(len(loaded.tiers), 'tier')} ({path})")
+            for name, spec in sorted(loaded.pools.items()):
+                if (warning := quantum_warning(name, spec)) is not None:
+                    print(f"{path}: warning: {warning}")  # accepted: exit 0 still
         else:
             rc = 1
             for line in errors:

@@ -135,3 +135,19 @@ def test_check_reads_toml_and_exit_1_if_any_file_fails(tmp_path, capsys):
 def test_tenants_without_an_action_is_exit_2(capsys):
     assert main(["tenants"]) == 2
     assert "expected an action" in capsys.readouterr().err
+
+
+def test_check_warns_of_a_quantum_below_one_request_under_a_token_cost(tmp_path, capsys):
+    # Accepted (exit 0), but said: with cost_model tokens and the `requests` default
+    # quantum (1) a quiet tenant is almost never owed a preemption.
+    path = tmp_path / "t.yaml"
+    path.write_text("pools:\n  chat: {policy: drr, cost_model: tokens}\n"
+                    "  big: {policy: drr, cost_model: tokens, quantum: 1024}\n"
+                    "  per_request: {policy: drr}\n  kv: {cost_model: kv_seconds, quantum: 10}\n"
+                    "  fifo: {policy: fifo, cost_model: tokens}\n")
+    assert main(["tenants", "check", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("ok: ")
+    warned = [line.removeprefix(f"{path}: warning: ").split(":")[0] for line in lines[1:]]
+    assert warned == ["pools.chat.quantum", "pools.kv.quantum"], lines
+    assert "under cost_model tokens" in lines[1]
