@@ -10,6 +10,7 @@ import structlog
 
 from dispatcher.config import DispatcherSettings
 from dispatcher.service import Dispatcher
+from fairlane import otel
 from fairlane.logs import configure_logging
 from fairlane.runtime import Stopped, run, until_stopped
 from fairlane.settings import load_settings
@@ -82,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings(DispatcherSettings, argv, prog="dispatcher",
                              description="fairlane dispatcher for one model pool")
     configure_logging(settings.log_level, settings.log_json)
-    return run(lambda stop: serve(settings, stop))
+    otel.setup("dispatcher")  # only if the otel extra is installed and OTEL_* asks
+    try:
+        return run(lambda stop: serve(settings, stop))
+    finally:
+        otel.shutdown()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from fairlane.logs import LogLevel
 from fairlane.poolconfig import Policy
@@ -54,6 +56,9 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     stats_interval_s: float = 1.0
     metrics_port: int = 0  # port of the Prometheus /metrics endpoint; 0 = none
     metrics_host: str = "127.0.0.1"  # /metrics address: 0.0.0.0 in a container
+    # Most tenants with /metrics series of their own at once (dispatcher.metrics); the
+    # rest are counted as tenant="_other".
+    metrics_max_tenants: Annotated[int, msgspec.Meta(ge=0)] = 1000
     log_level: LogLevel = "info"  # least severe log level written
     log_json: bool = True  # JSON log lines (else human-readable)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,7 +21,9 @@ from nats.js.errors import NotFoundError
 
 from dispatcher import metrics
 from dispatcher.scheduler.types import ActualUsage, Dispatch
+from fairlane import otel
 from fairlane.protocol import Finished, InferenceRequest, WorkItem
+from fairlane.runtime import mono_ms
 
 log = structlog.get_logger(__name__)
 
@@ -129,8 +132,9 @@ def work_item(d: Dispatch, now: float, epoch_ms: int) -> WorkItem:
     """The `WorkItem` for one dispatch (a pull's batch, or a preemption's replacement)."""
     held: Held = d.request.payload
     queue_ms = int(now - d.request.arrival_ms)
-    metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
-    metrics.DISPATCHED_COST.labels(tenant=d.request.tenant, tier=d.request.tier).inc(d.cost)
+    metrics.dispatched(d.request, queue_ms / 1000, d.cost)
+    if otel.enabled():
+        _trace_queue_wait(d, held)
     return WorkItem(
         request=held.request, engine_priority=d.engine_priority,
         dispatched_ms=epoch_ms, queue_ms=queue_ms, cache_salt=held.request.tenant,
@@ -138,6 +142,20 @@ def work_item(d: Dispatch, now: float, epoch_ms: int) -> WorkItem:
         ack_subject=None if held.settled else (held.msg.reply or None),
         traceparent=held.traceparent,
     )
+
+
+def _trace_queue_wait(d: Dispatch, held: Held) -> None:
+    """The request's wait in this dispatcher (ingest to dispatch) as a span of its trace;
+    its start is the wall time now less the wait on the monotonic clock."""
+    q, end_ns = d.request, time.time_ns()
+    wait_ns = int((mono_ms() - q.arrival_ms) * 1_000_000)
+    otel.record_span("fairlane.queue_wait", held.traceparent or None,
+                     start_ns=end_ns - wait_ns, end_ns=end_ns,
+                     attributes={"fairlane.request_id": q.request_id, "fairlane.tenant": q.tenant,
+                                 "fairlane.tier": q.tier, "fairlane.pool": held.request.pool,
+                                 "fairlane.attempt": q.attempt, "fairlane.cost": d.cost,
+                                 "fairlane.engine_priority": d.engine_priority,
+                                 "fairlane.estimated_prompt_tokens": q.prompt_tokens})
 
 
 def usage_of(ev: Finished) -> ActualUsage | None:

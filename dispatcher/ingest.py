@@ -208,7 +208,7 @@ class Ingest:
                 reply = None
             log.warning("request_refused", subject=msg.subject, request_id=rid,
                         code=exc.code.value, error=exc.message, traceparent=traceparent or None)
-            metrics.REJECTED.labels(reason=exc.code.value).inc()
+            metrics.rejected(_subject_tenant(msg.subject), exc.code.value)
             if reply:
                 await self._send_error(reply, rid or "", exc.info())
             await _term(msg)

@@ -102,6 +102,7 @@ class Dispatcher(Ingest):
         # adoption) is the pure core's; this shell executes its actions (`_apply`).
         self.core = PoolCore(self.scheduler, s.worker_timeout_ms)
         self.core.tenant_idle_ms = s.tenant_idle_s * 1000
+        metrics.configure(s.metrics_max_tenants, s.tenant_idle_s)
         self.workers = self.core.workers
         self._held = HeldMessages(s.ack_wait_s)
         self._pulls: deque[_Pull] = deque()

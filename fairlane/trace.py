@@ -2,9 +2,11 @@
 
 A request's ``traceparent`` is decided once, at the edge (the client's if valid, else a
 fresh one), and travels unchanged: in the NATS headers of its JetStream publish, then
-in its `WorkItem` to the worker, which logs it with the request's lines. fairlane makes
-no spans of its own, so it never changes the parent id; a tracing backend joins the
-client's trace to fairlane's log lines by the trace id.
+in its `WorkItem` to the worker, which logs it with the request's lines. Without
+OpenTelemetry (`fairlane.otel`, an optional extra) fairlane makes no spans of its own,
+so it never changes the parent id; a tracing backend joins the client's trace to
+fairlane's log lines by the trace id. With it, the edge's server span becomes the
+parent the fleet carries (same trace id), so the fleet's spans hang under it.
 
 Format (version 00): ``00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>``, lower
 case, ids not all zeros. A later version is accepted by its version-00 prefix (as the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from fairlane import runtime
+from fairlane import otel, runtime
 from fairlane.logs import configure_logging
 from fairlane.settings import load_settings
 from gpu_worker.config import WorkerSettings
@@ -19,9 +19,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="fairlane GPU worker: pulls work from the dispatcher and runs an engine",
     )
     configure_logging(settings.log_level, settings.log_json)
+    otel.setup("gpu_worker")  # only if the otel extra is installed and OTEL_* asks
     from gpu_worker.service import serve
 
-    return runtime.run(lambda stop: serve(settings, stop))
+    try:
+        return runtime.run(lambda stop: serve(settings, stop))
+    finally:
+        otel.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,20 +14,31 @@ The worker shell calls three hooks, all on its event loop and all cheap:
   the gauges (running, waiting, KV tokens), and what the engine counts by itself,
   read duck-typed so that any engine may offer it (see `_engine_counters`).
 
-Engine figures. The simulator (`gpu_worker.sim.engine.SimEngine`) offers its steps
-(``fairlane_worker_engine_step_seconds``: the *simulated* step time, what the modelled
-GPU would take; wall time is that × ``--time-scale``), its KV preemptions (sequences
-evicted from the batch when KV ran out, recompute-style), and its prefix-cache hits and
-recomputed tokens. `gpu_worker.vllm_engine.VllmEngine` offers running / waiting / KV
-use through ``load()`` only (read from vLLM's scheduler stats); vLLM's step time and
-its own preemption count are not exposed yet: those series are simply absent.
+Engine figures, the same names from either engine (an engine without one leaves
+that series at 0):
 
-Tenant label cardinality is bounded (`TenantLabels`): a worker exposes at most
+- ``num_preemptions`` -> ``fairlane_worker_engine_kv_preemptions_total``: sequences the
+  engine evicted from its batch when KV ran out (recompute-style);
+- ``num_recomputed_tokens`` -> ``_engine_recomputed_tokens_total``: tokens prefilled
+  again (after such a preemption, or for a continuation) that the prefix cache no
+  longer held;
+- ``num_prefix_cache_hit_tokens`` / ``num_prefix_cache_queried_tokens`` ->
+  ``_engine_prefix_cache_hit_tokens_total`` / ``_queried_tokens_total`` (their ratio
+  is the hit rate);
+- ``steps``, records with a ``step_ms`` -> ``fairlane_worker_engine_step_seconds``.
+
+The simulator (`gpu_worker.sim.engine.SimEngine`) counts them in its batch model: its
+step time is the *simulated* one (what the modelled GPU would take; wall time is that ×
+``--time-scale``) and its prefix cache is modelled for re-prefills only (a fresh
+prompt never hits it). `gpu_worker.vllm_engine.VllmEngine` reads vLLM's own figures
+through a stat logger (`gpu_worker.vllm_stats`): its iteration time, its preemption
+count and its prefix-cache queries and hits, for every prefill.
+
+Tenant label cardinality is bounded (`fairlane.metrics_labels.TenantLabels`, shared
+with the dispatcher and the streamer): a worker exposes at most
 ``--metrics-max-tenants`` tenant label values; a tenant idle for
 ``--metrics-tenant-idle-s`` loses its series (their figures stay in ``FL_USAGE``),
 and while the bound is full, further tenants are counted under ``tenant="_other"``.
-Without the bound, a fleet that sees 100,000 tenants would carry 100,000 label sets
-per series for ever and make every scrape megabytes long.
 
 Each `WorkerMetrics` has its own registry (several workers in one test process do not
 collide); `serve_http` exposes it with the process collectors, as the dispatcher does.
@@ -35,9 +46,6 @@ collide); `serve_http` exposes it with the process collectors, as the dispatcher
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import (
@@ -51,76 +59,12 @@ from prometheus_client import (
     start_http_server,
 )
 
+from fairlane.metrics_labels import TenantLabels
 from fairlane.protocol import EngineLoad, Finished, Preempted, Requeue, Started, Usage
 
-OTHER_TENANT = "_other"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-
-
-class TenantLabels:
-    """The tenant label values one worker exposes: at most `max_tenants` of them.
-
-    A tenant gets its own label value while there is room; once `max_tenants` are
-    taken, the least recently seen one gives its place up if it has been idle for
-    `idle_s` (its series are removed), else the newcomer is counted as ``_other``.
-    `expire` drops every tenant idle for `idle_s`. O(1) per lookup, O(expired) per
-    pass: the LRU order is an `OrderedDict`.
-    """
-
-    def __init__(self, max_tenants: int, idle_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_tenants = max_tenants
-        self.idle_s = idle_s
-        self._clock = clock
-        self._last_seen: OrderedDict[str, float] = OrderedDict()
-        # The label sets each tenant has on each metric, for removing them.
-        self._series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
-
-    def __len__(self) -> int:
-        return len(self._last_seen)
-
-    def label(self, tenant: str) -> str:
-        now = self._clock()
-        if tenant in self._last_seen:
-            self._last_seen[tenant] = now
-            self._last_seen.move_to_end(tenant)
-            return tenant
-        if len(self._last_seen) >= self.max_tenants:
-            if not self._last_seen:  # max_tenants 0: no tenant labels at all
-                return OTHER_TENANT
-            oldest, seen = next(iter(self._last_seen.items()))
-            if now - seen < self.idle_s:
-                return OTHER_TENANT
-            self._forget(oldest)
-        self._last_seen[tenant] = now
-        return tenant
-
-    def track(self, tenant: str, metric: Any, labels: tuple[str, ...]) -> None:
-        """Remember a label set of `tenant` (the value `label` returned) on `metric`."""
-        if tenant != OTHER_TENANT:
-            self._series.setdefault(tenant, set()).add((metric, labels))
-
-    def expire(self) -> int:
-        """Drop every tenant idle for `idle_s` and its series; returns how many."""
-        cutoff = self._clock() - self.idle_s
-        n = 0
-        while self._last_seen:
-            tenant, seen = next(iter(self._last_seen.items()))
-            if seen > cutoff:
-                break
-            self._forget(tenant)
-            n += 1
-        return n
-
-    def _forget(self, tenant: str) -> None:
-        self._last_seen.pop(tenant, None)
-        for metric, labels in self._series.pop(tenant, ()):
-            try:
-                metric.remove(*labels)
-            except KeyError:
-                pass
 
 
 class WorkerMetrics:
@@ -193,7 +137,8 @@ class WorkerMetrics:
                                      "Tenants with their own label value on this worker "
                                      "(at most --metrics-max-tenants)", registry=r)
         self.engine_steps = Histogram("fairlane_worker_engine_step_seconds",
-                                      "Engine step time (simulator: simulated seconds)",
+                                      "Engine step time (vLLM: its iteration time; "
+                                      "simulator: simulated seconds)",
                                       buckets=STEP_BUCKETS, registry=r)
         self.engine_counters = {
             "num_preemptions": Counter(
@@ -206,7 +151,12 @@ class WorkerMetrics:
                 "continuation) that its prefix cache no longer held", registry=r),
             "num_prefix_cache_hit_tokens": Counter(
                 "fairlane_worker_engine_prefix_cache_hit_tokens_total",
-                "Tokens a re-prefill found in the engine's prefix cache", registry=r),
+                "Prompt tokens the engine's prefix cache served instead of a prefill "
+                "computing them (simulator: re-prefills only)", registry=r),
+            "num_prefix_cache_queried_tokens": Counter(
+                "fairlane_worker_engine_prefix_cache_queried_tokens_total",
+                "Prompt tokens the engine looked up in its prefix cache (hits / queried: "
+                "the hit rate; simulator: re-prefills only)", registry=r),
         }
 
     # --- serving ----------------------------------------------------------------------
@@ -224,10 +174,7 @@ class WorkerMetrics:
     # --- hooks --------------------------------------------------------------------------
 
     def _tenant(self, tenant: str, metric: Any, *rest: str) -> Any:
-        label = self.tenants.label(tenant)
-        labels = (label, *rest)
-        self.tenants.track(label, metric, labels)
-        return metric.labels(*labels)
+        return self.tenants.child(metric, tenant, *rest)
 
     def on_event(self, evt: object, r: Any = None) -> None:
         """A worker event was published; `r` is the request's `InFlight` if any."""
@@ -279,7 +226,7 @@ class WorkerMetrics:
                 if delta > 0:
                     counter.inc(delta)
                 self._seen[name] = value
-        steps = getattr(engine, "steps", None)  # SimEngine: a deque of StepRecord
+        steps = getattr(engine, "steps", None)  # a deque of records with a step_ms
         if not steps:
             return
         new = []

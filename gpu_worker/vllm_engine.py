@@ -15,7 +15,9 @@ What the adapter adds on top of vLLM:
   the original prompt's (tokenized as a fresh request is) + the already generated
   ones, under the same cache salt, so vLLM's prefix cache (on by default) serves
   what it still holds; see `_resume_prompt`.
-* `load()`: see `_SchedulerStatsTap` for where the figures come from.
+* `load()` and the engine counters the worker's /metrics read (``num_preemptions``,
+  ``num_prefix_cache_*_tokens``, ``num_recomputed_tokens``, ``steps``): vLLM's own
+  statistics, through a custom stat logger (`gpu_worker.vllm_stats`).
 
 vLLM is imported lazily so that this module (and `gpu_worker.engines`) imports on
 machines without vLLM; only `start()` needs it.
@@ -33,6 +35,7 @@ from typing import Any
 from fairlane.protocol import EngineLoad, ErrorCode, WorkItem
 from gpu_worker.chat_template import render_chat
 from gpu_worker.engine import EngineDead, EngineError, GenerationDelta, PromptTooLong
+from gpu_worker.vllm_stats import VllmStatsTap
 
 
 @dataclass(slots=True)
@@ -62,47 +65,6 @@ class VllmEngineConfig:
     # CPU build only: KV cache size in GiB (vLLM reads VLLM_CPU_KVCACHE_SPACE).
     kv_cache_space_gib: float | None = None
     seed: int = 0
-
-
-class _SchedulerStatsTap:
-    """A per-engine vLLM stat logger that keeps the latest `SchedulerStats`.
-
-    vLLM v1 has no public "current load" call: the scheduler lives in the engine-core
-    process and ships `SchedulerStats` (running, waiting, KV usage fraction) with
-    every step's outputs to `AsyncLLM`, which hands them to its stat loggers. We
-    register this tap as a custom stat logger (`stat_loggers=[factory]`) and read
-    the latest figures. vLLM marks this interface as not stable; the tap only reads
-    three fields, defensively. Stats stop arriving when the engine goes idle, so
-    `VllmEngine.load()` combines them with its own in-flight count.
-    """
-
-    def __init__(self) -> None:
-        self.num_running = 0
-        self.num_waiting = 0
-        self.kv_cache_usage = 0.0
-        self.updated_at = 0.0
-
-    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        tap = self
-
-        class _Logger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-                if scheduler_stats is None:
-                    return
-                tap.num_running = int(getattr(scheduler_stats, "num_running_reqs", 0))
-                tap.num_waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
-                tap.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
-                tap.updated_at = time.monotonic()
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _Logger(vllm_config, engine_index)
 
 
 class _Accounting:
@@ -163,7 +125,7 @@ class VllmEngine:
         self.config = config
         self._llm: Any = None
         self._start_lock = asyncio.Lock()
-        self._tap = _SchedulerStatsTap()
+        self._tap = VllmStatsTap()
         self._inflight: dict[str, _Accounting] = {}
         self._tokenizer: Any = None
         self._max_model_len = config.max_model_len or 0
@@ -211,8 +173,10 @@ class VllmEngine:
                 scheduling_policy=cfg.scheduling_policy,
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 seed=cfg.seed,
-                # Default loggers off (they print every 5 s); our tap still gets stats.
+                # Default loggers off (they print every 5 s); our tap still gets stats,
+                # each step's elapsed time included (`gpu_worker.vllm_stats`).
                 disable_log_stats=True,
+                enable_logging_iteration_details=True,
             )
             # Building the engine takes seconds to minutes (model load, KV profiling,
             # maybe compilation); keep the event loop (heartbeats) alive meanwhile.
@@ -248,6 +212,14 @@ class VllmEngine:
     @property
     def kv_tokens_total(self) -> int:
         return self._kv_tokens_total
+
+    # vLLM's own figures, for the worker's /metrics (`gpu_worker.metrics`).
+    num_preemptions = property(lambda self: self._tap.num_preemptions)
+    num_recomputed_tokens = property(lambda self: self._tap.num_recomputed_tokens)
+    num_prefix_cache_hit_tokens = property(lambda self: self._tap.num_prefix_cache_hit_tokens)
+    num_prefix_cache_queried_tokens = property(
+        lambda self: self._tap.num_prefix_cache_queried_tokens)
+    steps = property(lambda self: self._tap.steps)
 
     # --- load -----------------------------------------------------------------------
 
@@ -349,6 +321,8 @@ class VllmEngine:
                     acc.num_cached = out.num_cached_tokens
                 comp = out.outputs[0] if out.outputs else None
                 token_ids = list(comp.token_ids) if comp is not None else []
+                if resumed is not None and not acc.last_t:  # a continuation's prefill
+                    self._tap.add_recomputed(acc.num_prompt + len(resumed) - acc.num_cached)
                 acc.on_output(len(token_ids), now)
                 finish = comp.finish_reason if comp is not None else None
                 if finish is None and out.finished:

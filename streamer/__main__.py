@@ -8,6 +8,7 @@ import sys
 import structlog
 import uvicorn
 
+from fairlane import otel
 from fairlane.logs import configure_logging
 from fairlane.runtime import run
 from fairlane.settings import load_settings
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings(StreamerSettings, argv, prog="python -m streamer",
                              description="fairlane streamer: the public edge")
     configure_logging(settings.log_level, json=settings.log_json)
+    otel.setup("streamer")  # only if the otel extra is installed and OTEL_* asks
 
     async def _main(stop: asyncio.Event) -> int:
         server = _Server(uvicorn_config(settings, create_app(settings)))
@@ -67,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return 0 if server.started else 1
 
-    return run(_main)
+    try:
+        return run(_main)
+    finally:
+        otel.shutdown()
 
 
 if __name__ == "__main__":

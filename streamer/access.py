@@ -11,7 +11,10 @@ error middleware sends included. For each HTTP request (and websocket session) i
   it is logged as ``client_request_id``;
 - reads a valid ``traceparent`` (an invalid one is ignored); the completions handlers
   run the request in that trace, or in a fresh one (`use_traceparent`), and a
-  websocket's requests join the upgrade request's trace (or each gets its own);
+  websocket's requests join the upgrade request's trace (or each gets its own). With
+  OpenTelemetry on (`fairlane.otel`), `use_traceparent` also starts the request's
+  server span (a child of the client's span), the trace the fleet then runs it in
+  names that span as parent, and this middleware ends it with the response;
 - binds ``request_id`` (and the trace) into the structlog context for the request's
   own log lines, and adds ``X-Request-Id`` to the response headers (for a websocket:
   to the accept, or to the denial response);
@@ -33,6 +36,7 @@ import structlog
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fairlane import otel
 from fairlane.trace import parse_traceparent, traceparent_or_new, valid_request_id
 from producer.spec import new_request_id
 
@@ -51,6 +55,8 @@ class AccessInfo:
     traceparent: str | None
     client_request_id: str | None = None
     tenant: str | None = None
+    start_ns: int = 0  # wall clock, for the request's span
+    span: Any = None  # its OpenTelemetry server span (None: tracing off, or not begun)
 
 
 def access_info(scope: Scope) -> AccessInfo | None:
@@ -65,12 +71,23 @@ def note_tenant(scope: Scope, tenant: str) -> None:
         info.tenant = tenant
 
 
-def use_traceparent(scope: Scope, fallback: str | None = None) -> str:
+def use_traceparent(scope: Scope, fallback: str | None = None,
+                    span_attributes: dict[str, Any] | None = None) -> str:
     """The trace a request runs in: the client's valid ``traceparent``, else a fresh
     one; recorded for the access line and bound for the request's log lines.
-    `fallback`: the raw header when the app runs without the middleware."""
+    `fallback`: the raw header when the app runs without the middleware. With tracing
+    on, the request's server span starts here (with `span_attributes`) and the
+    answer is its ``traceparent``: the fleet's spans become the span's children."""
     info = access_info(scope)
-    traceparent = traceparent_or_new(info.traceparent if info is not None else fallback)
+    client = info.traceparent if info is not None else fallback
+    traceparent = traceparent_or_new(client)
+    if info is not None and otel.enabled() and info.span is None:
+        method, path = scope.get("method", "POST"), scope.get("path", "")
+        info.span = otel.start_span(
+            f"{method} {path}", client, server=True, start_ns=info.start_ns or None,
+            attributes={"http.request.method": method, "url.path": path, "http.route": path,
+                        "fairlane.request_id": info.request_id, **(span_attributes or {})})
+        traceparent = otel.traceparent_of(info.span, traceparent) or traceparent
     if info is not None:
         info.traceparent = traceparent
     structlog.contextvars.bind_contextvars(traceparent=traceparent)
@@ -103,6 +120,7 @@ class AccessLog:
             request_id=new_request_id(),
             traceparent=parse_traceparent(headers.get("traceparent")),
             client_request_id=incoming if valid_request_id(incoming) else None,
+            start_ns=time.time_ns(),
         )
         scope[SCOPE_KEY] = info
         rid_header = (_HEADER, info.request_id.encode("ascii"))
@@ -137,6 +155,9 @@ class AccessLog:
                 status = 500  # nothing was sent; the server answers 500 (or drops it)
             raise
         finally:
+            if info.span is not None:
+                otel.end_span(info.span, error=None if status and status < 500 else
+                              f"HTTP {status}", attributes={"http.response.status_code": status})
             fields: dict[str, Any] = {
                 "method": scope.get("method", "GET"),
                 "path": scope.get("path", ""),

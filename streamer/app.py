@@ -37,7 +37,7 @@ from fairlane.runtime import log_nats_error
 from fairlane.tenants import TenantsWatcher
 from fairlane.validation import RequestLimits
 from producer.client import FairlaneClient
-from streamer import dashboard
+from streamer import dashboard, metrics
 from streamer.access import AccessLog
 from streamer.config import StreamerSettings
 from streamer.errors import METHOD_NOT_ALLOWED, NOT_FOUND, EdgeError
@@ -106,6 +106,8 @@ def create_app(
     limiter: RateLimiter | None = None,
     tenants: TenantsWatcher | None = None,
 ) -> Starlette:
+    metrics.configure(settings.metrics_max_tenants, settings.metrics_tenant_idle_s)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state = app.state

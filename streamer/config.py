@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from fairlane.logs import LogLevel
-from fairlane.settings import PositiveInt
+from fairlane.settings import PositiveFloat, PositiveInt
 from fairlane.streams import StreamSettings
 
 
@@ -33,6 +37,10 @@ class StreamerSettings(StreamSettings, kw_only=True):
     ws_close_timeout_s: float = 5.0  # how long a slow client may take to get its close frame
     default_max_tokens: PositiveInt = 256  # when a request names none
     usage_settler: bool = True  # run the FL_USAGE -> rate limiter settler in this process
+    # Bounds the tenant label's values on /metrics (streamer.metrics): beyond this, tenants
+    # are counted as tenant="_other".
+    metrics_max_tenants: Annotated[int, msgspec.Meta(ge=0)] = 1000  # most tenants with a /metrics label of their own
+    metrics_tenant_idle_s: PositiveFloat = 600.0  # a tenant idle this long loses its /metrics series
     settler_durable: str = "ratelimit-settler"  # the settler's durable consumer name
     log_level: LogLevel = "info"  # least severe log level written
     log_json: bool = True  # JSON log lines (else human-readable)

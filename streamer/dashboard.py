@@ -35,6 +35,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from fairlane.protocol import PoolStats, ProtocolError, decode_pool_stats
 from fairlane.runtime import now_ms
 from fairlane.subjects import Subjects
+from streamer import metrics as edge_metrics
 from streamer.errors import EdgeError
 from streamer.http_api import error_response, json_response
 
@@ -175,4 +176,5 @@ async def dashboard_data(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     if admin_key(request) is None:
         return error_response(_refusal(request))
+    edge_metrics.expire()  # idle tenants' series go before they are shown
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

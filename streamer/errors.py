@@ -117,10 +117,14 @@ _INVALID = re.compile(r"^Invalid (?:enum )?value (?P<value>.+)$")
 
 def validation_message(exc: msgspec.ValidationError | msgspec.DecodeError,
                        choices: Mapping[str, Sequence[str]] | None = None,
-                       ) -> tuple[str, str | None]:
+                       ranges: Mapping[str, str] | None = None,
+                       body: bytes | str | None = None) -> tuple[str, str | None]:
     """A caller-facing message and the offending parameter from a msgspec error, in
-    words that say what is allowed ("temperature must be a number <= 2.0").
-    `choices`: a field's allowed values by its name, for "invalid value" errors."""
+    words that say what is allowed ("temperature must be a number between 0 and 2,
+    got 3"). `choices`: a field's allowed values by its name, for "invalid value"
+    errors; `ranges`: a bounded field's whole range in words by its name
+    (`bounded_fields`), since msgspec names only the bound that was crossed; `body`:
+    the JSON the error is about, to quote a top-level value that is out of range."""
     text = str(exc)
     param = None
     if " - at `$" in text:
@@ -132,13 +136,67 @@ def validation_message(exc: msgspec.ValidationError | msgspec.DecodeError,
     if m := _UNKNOWN.match(text):
         param = f"{param}.{m['field']}" if param else m["field"]
         return f"unknown field '{param}'", param
-    phrase = _phrase(text, param, choices or {})
+    phrase = _phrase(text, param, choices or {}, ranges or {}, body)
     return (f"{param} {phrase}" if param else phrase), param
 
 
-def _phrase(text: str, param: str | None, choices: Mapping[str, Sequence[str]]) -> str:
+def bounded_fields(*types: type[msgspec.Struct]) -> dict[str, str]:
+    """The range of every bounded number field of `types` in words, by field name
+    ({"temperature": "between 0 and 2", "max_tokens": "of at least 1", ...})."""
+    out: dict[str, str] = {}
+    for typ in types:
+        for field in msgspec.inspect.type_info(typ).fields:
+            t = field.type
+            for option in t.types if isinstance(t, msgspec.inspect.UnionType) else (t,):
+                if isinstance(option, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+                    if (words := _range_words(option)) is not None:
+                        out[field.name] = words
+    return out
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _range_words(t: msgspec.inspect.IntType | msgspec.inspect.FloatType) -> str | None:
+    lo, hi = t.ge if t.ge is not None else t.gt, t.le if t.le is not None else t.lt
+    if t.ge is not None and t.le is not None:
+        return f"between {_num(lo)} and {_num(hi)}"
+    parts = []
+    if lo is not None:
+        parts.append(f"at least {_num(lo)}" if t.ge is not None else f"greater than {_num(lo)}")
+    if hi is not None:
+        parts.append(f"at most {_num(hi)}" if t.le is not None else f"less than {_num(hi)}")
+    if not parts:
+        return None
+    return ("of " if len(parts) == 1 and lo is not None and t.ge is not None else "") + \
+        " and ".join(parts)
+
+
+_raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _quoted_value(body: bytes | str | None, param: str | None) -> str | None:
+    """The JSON text of top-level field `param` of `body`, if short enough to quote."""
+    if body is None or not param or not param.isidentifier():
+        return None
+    try:
+        raw = _raw_object.decode(body).get(param)
+    except msgspec.DecodeError:
+        return None
+    if raw is None or len(raw) > 40:
+        return None
+    return bytes(raw).decode("utf-8", "replace")
+
+
+def _phrase(text: str, param: str | None, choices: Mapping[str, Sequence[str]],
+            ranges: Mapping[str, str], body: bytes | str | None) -> str:
     if m := _BOUND.match(text):
-        return f"must be {_KIND_WORDS.get(m['kind'], m['kind'])} {m['op']} {m['bound']}"
+        kind = _KIND_WORDS.get(m["kind"], m["kind"])
+        leaf = (param or "").rsplit(".", 1)[-1]
+        allowed = ranges.get(leaf) or f"{m['op']} {m['bound']}"
+        got = _quoted_value(body, param)
+        return f"must be {kind} {allowed}" + (f", got {got}" if got is not None else "")
     if m := _LENGTH.match(text):
         unit = "characters" if m["kind"] == "str" else "items"
         if m["op"] == ">=" and m["n"] == "1":

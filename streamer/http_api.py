@@ -28,12 +28,19 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from fairlane import otel
 from fairlane.errors import ErrorCode, FairlaneError
 from producer.client import RequestError, RequestStream
 from streamer import metrics
 from streamer.access import access_info, note_tenant, use_traceparent
 from streamer.errors import BODY_TOO_LARGE, EdgeError, validation_message
-from streamer.schema import FIELD_CHOICES, decode_chat, decode_completion, ignored_fields
+from streamer.schema import (
+    FIELD_CHOICES,
+    FIELD_RANGES,
+    decode_chat,
+    decode_completion,
+    ignored_fields,
+)
 from streamer.service import Edge, Principal, usage_dict
 
 log = structlog.get_logger(__name__)
@@ -75,7 +82,7 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
-        msg, param = validation_message(exc, FIELD_CHOICES)
+        msg, param = validation_message(exc, FIELD_CHOICES, FIELD_RANGES, body)
         raise EdgeError(f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
         raise EdgeError(f"request body is not valid JSON: {exc}") from None
@@ -163,6 +170,7 @@ class OpenAIApi:
     async def _answer(self, request: Request, chat: bool, ignored: list[str]) -> Response:
         endpoint = "chat" if chat else "completions"
         decoder = decode_chat if chat else decode_completion
+        principal, submitting = None, False
         try:
             principal = self.principal(request)
             body = await read_body(request, self.max_body_bytes)
@@ -174,11 +182,18 @@ class OpenAIApi:
             # Run under the id the answer's X-Request-Id names, in the client's trace
             # or a fresh one (streamer.access).
             info = access_info(request.scope)
-            traceparent = use_traceparent(request.scope, request.headers.get("traceparent"))
+            traceparent = use_traceparent(
+                request.scope, request.headers.get("traceparent"), span_attributes={
+                    "fairlane.tenant": principal.tenant, "fairlane.tier": principal.tier,
+                    "fairlane.pool": req.model, "fairlane.endpoint": endpoint,
+                    "fairlane.stream": bool(req.stream)})
+            submitting = True  # from here on, Edge.start counts a refusal itself
             stream = await self.edge.start(principal, req, endpoint, req.model,
                                            request_id=info.request_id if info else None,
                                            traceparent=traceparent)
         except FairlaneError as err:
+            if not submitting:
+                metrics.request(principal and principal.tenant, endpoint, err.code.value)
             return error_response(err)
         meta = _Meta(
             id=("chatcmpl-" if chat else "cmpl-") + stream.request_id,
@@ -188,6 +203,7 @@ class OpenAIApi:
             tier=principal.tier,
             started=started,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            span=info.span if info else None,
         )
         if req.stream:
             return StreamingResponse(
@@ -203,7 +219,7 @@ class OpenAIApi:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
                 collect.cancel()
-                metrics.CLIENT_GONE.labels(meta.tenant, "http").inc()
+                metrics.tenant_child(metrics.CLIENT_GONE, meta.tenant, "http").inc()
                 await stream.cancel("client_gone")
                 return Response(status_code=499)
             try:
@@ -213,8 +229,10 @@ class OpenAIApi:
         finally:
             gone.cancel()
             metrics.ACTIVE.labels(meta.endpoint).dec()
-        metrics.TOKENS.labels(meta.tenant).inc(done.usage.completion_tokens if done.usage else 0)
+        metrics.tenant_child(metrics.TOKENS, meta.tenant).inc(
+            done.usage.completion_tokens if done.usage else 0)
         usage = usage_dict(done.usage) or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        meta.trace_end(done.finish_reason, usage)
         if meta.chat:
             choice = {
                 "index": 0,
@@ -245,7 +263,7 @@ class OpenAIApi:
     async def _sse(self, stream: RequestStream, meta: _Meta) -> AsyncIterator[bytes]:
         finished = False
         first = True
-        tokens = metrics.TOKENS.labels(meta.tenant)
+        tokens = metrics.tenant_child(metrics.TOKENS, meta.tenant)
         metrics.ACTIVE.labels(meta.endpoint).inc()
         try:
             if meta.chat:
@@ -260,6 +278,7 @@ class OpenAIApi:
                     yield meta.event(chunk.text, None)
                 if chunk.finish_reason is not None:
                     finished = True
+                    meta.trace_end(chunk.finish_reason, usage_dict(chunk.usage))
                     yield meta.event("", _finish(chunk.finish_reason))
                     if meta.include_usage:
                         yield meta.usage_event(usage_dict(chunk.usage))
@@ -268,14 +287,15 @@ class OpenAIApi:
         except RequestError as exc:
             finished = True  # the stream is over (the client lib cancels what it must)
             if exc.code == ErrorCode.SLOW_CONSUMER:
-                metrics.SLOW_CONSUMERS.labels(meta.tenant, "sse").inc()
+                metrics.tenant_child(metrics.SLOW_CONSUMERS, meta.tenant, "sse").inc()
+            otel.mark_error(meta.span, f"{exc.code.value}: {exc.message}")
             yield b"data: " + _json.encode(EdgeError.of(exc).openai_body()) + b"\n\n"
         finally:
             metrics.ACTIVE.labels(meta.endpoint).dec()
             if not finished and not stream.is_done:
                 # Client went away mid-stream (we are being cancelled): cancel upstream
                 # from a task of its own, since awaiting here would be cancelled too.
-                metrics.CLIENT_GONE.labels(meta.tenant, "sse").inc()
+                metrics.tenant_child(metrics.CLIENT_GONE, meta.tenant, "sse").inc()
                 self.edge.spawn(stream.cancel("client_gone"))
 
 
@@ -287,10 +307,11 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class _Meta:
-    __slots__ = ("id", "model", "chat", "tenant", "tier", "started", "created", "include_usage")
+    __slots__ = ("id", "model", "chat", "tenant", "tier", "started", "created", "include_usage",
+                 "span")
 
     def __init__(self, *, id: str, model: str, chat: bool, tenant: str, tier: str,
-                 started: float, include_usage: bool) -> None:
+                 started: float, include_usage: bool, span: Any = None) -> None:
         self.id = id
         self.model = model
         self.chat = chat
@@ -299,6 +320,15 @@ class _Meta:
         self.started = started
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.span = span  # the request's server span (`streamer.access`), or None
+
+    def trace_end(self, finish_reason: str | None, usage: dict | None) -> None:
+        """How the answer ended, on its span (once, at the end; not per chunk)."""
+        if self.span is not None:
+            u = usage or {}
+            otel.set_attributes(self.span, {
+                "fairlane.finish_reason": finish_reason,
+                **otel.usage_attributes(u.get("prompt_tokens"), u.get("completion_tokens"))})
 
     @property
     def endpoint(self) -> str:

@@ -52,7 +52,7 @@ from msgspec import Meta, Struct
 
 from fairlane.protocol import ChatMessage, SamplingParams
 from producer.spec import RequestSpec
-from streamer.errors import EdgeError
+from streamer.errors import EdgeError, bounded_fields
 
 CLOSE_NORMAL = 1000
 CLOSE_SERVICE_RESTART = 1012
@@ -103,8 +103,9 @@ class _Knobs(Struct, kw_only=True):
     A new sampling knob is a field here and a line in `_spec`."""
 
     max_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
+    # null is the default, as in OpenAI's API (SDKs and frameworks send it).
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stop: StopString | StopList | None = None
     seed: Seed | None = None
     # fairlane extensions
@@ -114,8 +115,10 @@ class _Knobs(Struct, kw_only=True):
     def _spec(self, *, tenant: str, tier: str, pool: str, max_tokens: int,
               **content: object) -> RequestSpec:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                                  top_p=self.top_p, stop=stop, seed=self.seed)
+        sampling = SamplingParams(
+            max_tokens=max_tokens, stop=stop, seed=self.seed,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p)
         return RequestSpec(tenant=tenant, tier=tier, pool=pool, sampling=sampling,
                            priority=self.priority, ttft_budget_ms=self.ttft_budget_ms,
                            **content)  # type: ignore[arg-type]
@@ -123,7 +126,7 @@ class _Knobs(Struct, kw_only=True):
 
 class _Common(_Knobs, kw_only=True):
     model: ModelName
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
     # OpenAI (and vLLM) parameters the fleet cannot honour: accepted at their neutral
@@ -150,10 +153,11 @@ class _Common(_Knobs, kw_only=True):
         for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
                               ("min_p", 0), ("repetition_penalty", 1)):
             if getattr(self, name) not in (None, neutral):
-                _unsupported(name, f"{name} is not supported (only {neutral} is accepted)")
+                _unsupported(name, f"{name} is not supported (only {neutral} is accepted), "
+                                   f"got {getattr(self, name)}")
         if self.top_k not in (None, 0, -1):
-            _unsupported("top_k", "top_k is not supported (only -1 or 0, no limit, is "
-                                  "accepted); top_p is")
+            _unsupported("top_k", f"top_k is not supported (only -1 or 0, no limit, is "
+                                  f"accepted), got {self.top_k}; top_p is supported")
         if self.logit_bias:
             _unsupported("logit_bias", "logit_bias is not supported (only an empty map is "
                                        "accepted)")
@@ -174,7 +178,7 @@ class _Common(_Knobs, kw_only=True):
 class CompletionRequest(_Common):
     # A string, a one-element list of strings, or a list of token ids.
     prompt: str | Annotated[list[str | Annotated[int, Meta(ge=0)]], Meta(min_length=1)]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -253,6 +257,8 @@ ClientFrame = WsRequest | WsCancel
 decode_client_frame = msgspec.json.Decoder(ClientFrame)
 decode_completion = msgspec.json.Decoder(CompletionRequest)
 decode_chat = msgspec.json.Decoder(ChatCompletionRequest)
+# Every bounded number field's whole range in words, for error messages.
+FIELD_RANGES = bounded_fields(CompletionRequest, ChatCompletionRequest, WsRequest)
 
 _raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _raw_objects = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])

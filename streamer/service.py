@@ -120,23 +120,28 @@ class Edge:
         `FairlaneError` (an `EdgeError` or the library's `RequestError`) when refused.
         `request_id`: the id to run it under (the HTTP answer's ``X-Request-Id``; None:
         a fresh one); `traceparent`: its W3C trace context (None or invalid: a fresh one)."""
-        limits = self.check_model(principal, model)
-        spec = body.to_spec(tenant=principal.tenant, tier=principal.tier, pool=model,
-                            default_max_tokens=min(self.default_max_tokens, limits.max_tokens))
+        try:
+            limits = self.check_model(principal, model)
+            spec = body.to_spec(tenant=principal.tenant, tier=principal.tier, pool=model,
+                                default_max_tokens=min(self.default_max_tokens,
+                                                       limits.max_tokens))
+        except EdgeError as exc:  # refused before submitting: counted here too
+            metrics.request(principal.tenant, endpoint, exc.code.value)
+            raise
         if request_id is not None:
             spec.request_id = request_id
         try:
             stream = await self.client.submit(spec, rate_limits=principal.limits, limits=limits,
                                               traceparent=traceparent)
         except RequestError as exc:
-            metrics.REQUESTS.labels(principal.tenant, endpoint, exc.code.value).inc()
+            metrics.request(principal.tenant, endpoint, exc.code.value)
             raise
         except Exception as exc:  # NATS down, timeouts: a 503, never a crash
-            metrics.REQUESTS.labels(principal.tenant, endpoint, "unavailable").inc()
+            metrics.request(principal.tenant, endpoint, "unavailable")
             log.warning("submit_failed", tenant=principal.tenant, error=repr(exc))
             raise EdgeError("the fleet is unavailable; retry later", ErrorCode.OVERLOADED,
                             retry_after_ms=1000) from None
-        metrics.REQUESTS.labels(principal.tenant, endpoint, "accepted").inc()
+        metrics.request(principal.tenant, endpoint, "accepted")
         return stream
 
 

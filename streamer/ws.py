@@ -20,6 +20,7 @@ import msgspec
 import structlog
 from starlette.websockets import WebSocket
 
+from fairlane import otel
 from fairlane.errors import ErrorCode, FairlaneError
 from producer.client import RequestError, RequestStream
 from streamer import metrics
@@ -29,6 +30,7 @@ from streamer.http_api import error_response
 from streamer.schema import (
     CLOSE_SLOW_CONSUMER,
     CLOSE_UNAUTHORIZED,
+    FIELD_RANGES,
     AcceptedFrame,
     EndFrame,
     ErrorBody,
@@ -91,8 +93,8 @@ class WsSession:
         self.reqs: dict[str, _Req] = {}
         self.slow = asyncio.Event()
         self.slow_reason = ""
-        # metric children resolved once per socket, not once per token
-        self._tokens = metrics.TOKENS.labels(principal.tenant)
+        # metric children resolved once per socket (the tenant's: once per request, as
+        # its label may expire in between; streamer.metrics), not once per token
         self._ttft = metrics.TTFT.labels(principal.tier)
 
     # --- outgoing -------------------------------------------------------------------
@@ -131,12 +133,12 @@ class WsSession:
         try:
             frame = decode_client_frame.decode(data)
         except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
-            text, param = validation_message(exc)
+            text, param = validation_message(exc, ranges=FIELD_RANGES, body=data)
             cid = _peek_id(data)
-            self.emit(_error_frame(cid, EdgeError(f"invalid frame: {text}", param=param)))
+            self._refuse(cid, EdgeError(f"invalid frame: {text}", param=param))
             return
         except msgspec.DecodeError as exc:
-            self.emit(_error_frame(None, EdgeError(f"frame is not valid JSON: {exc}")))
+            self._refuse(None, EdgeError(f"frame is not valid JSON: {exc}"))
             return
         if isinstance(frame, WsCancel):
             req = self.reqs.get(frame.id)
@@ -146,62 +148,83 @@ class WsSession:
             return
         assert isinstance(frame, WsRequest)
         if frame.id in self.reqs:
-            self.emit(_error_frame(frame.id, EdgeError(
-                f"a request with id {frame.id!r} is already in flight on this socket", param="id")))
+            self._refuse(frame.id, EdgeError(
+                f"a request with id {frame.id!r} is already in flight on this socket", param="id"))
             return
         if len(self.reqs) >= self.max_requests:
-            self.emit(_error_frame(frame.id, EdgeError(
-                f"too many requests in flight on this socket (max {self.max_requests})")))
+            self._refuse(frame.id, EdgeError(
+                f"too many requests in flight on this socket (max {self.max_requests})"))
             return
         req = _Req(frame.id)
         self.reqs[frame.id] = req
         req.task = asyncio.get_running_loop().create_task(self._pump(req, frame))
 
+    def _refuse(self, cid: str | None, err: EdgeError) -> None:
+        """A frame refused before it reached `Edge.start` (which counts the rest)."""
+        metrics.request(self.principal.tenant, "ws", err.code.value)
+        self.emit(_error_frame(cid, err))
+
     # --- one request ------------------------------------------------------------------
 
     async def _pump(self, req: _Req, frame: WsRequest) -> None:
         cid = req.cid
+        model = frame.model or self.default_model
+        # Each request's own span (tracing on, `fairlane.otel`), in the socket's trace.
+        span = otel.start_span("fairlane.ws_request", self.traceparent, server=True, attributes={
+            "fairlane.tenant": self.principal.tenant, "fairlane.tier": self.principal.tier,
+            "fairlane.pool": model, "fairlane.endpoint": "ws"}) if otel.enabled() else None
         try:
             started = time.monotonic()
             try:
-                stream = await self.edge.start(self.principal, frame, "ws",
-                                               frame.model or self.default_model,
-                                               traceparent=self.traceparent)
+                stream = await self.edge.start(self.principal, frame, "ws", model,
+                                               traceparent=otel.traceparent_of(
+                                                   span, self.traceparent))
             except FairlaneError as err:
+                otel.mark_error(span, f"{err.code.value}: {err.message}")
                 self.emit(_error_frame(cid, err))
                 return
+            otel.set_attributes(span, {"fairlane.request_id": stream.request_id})
             req.stream = stream
             if req.cancel_reason is not None:  # cancelled while it was being admitted
                 await stream.cancel(req.cancel_reason)
                 return
             self.emit(AcceptedFrame(id=cid, request_id=stream.request_id))
             first = True
+            tokens = metrics.tenant_child(metrics.TOKENS, self.principal.tenant)
             async for chunk in stream:
                 if first:
                     first = False
                     self._ttft.observe(time.monotonic() - started)
                 if chunk.num_tokens:
-                    self._tokens.inc(chunk.num_tokens)
+                    tokens.inc(chunk.num_tokens)
                 if chunk.text or chunk.token_ids:
                     self.emit(TokenFrame(id=cid, seq=chunk.seq, text=chunk.text,
                                          num_tokens=chunk.num_tokens, token_ids=chunk.token_ids))
                 if chunk.finish_reason is not None:
                     u = chunk.usage
+                    if span is not None:
+                        otel.set_attributes(span, {
+                            "fairlane.finish_reason": chunk.finish_reason,
+                            **otel.usage_attributes(u and u.prompt_tokens,
+                                                    u and u.completion_tokens)})
                     usage = None if u is None else UsageOut(
                         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                         total_tokens=u.prompt_tokens + u.completion_tokens)
                     self.emit(EndFrame(id=cid, finish_reason=chunk.finish_reason, usage=usage))
         except RequestError as exc:
+            otel.mark_error(span, f"{exc.code.value}: {exc.message}")
             if exc.code == ErrorCode.SLOW_CONSUMER:
                 self.mark_slow("slow consumer: request buffer overflowed")
             else:
                 self.emit(_error_frame(cid, exc))
         except Exception as exc:  # a bug must still end the request with a frame
             log.exception("ws_pump_failed", tenant=self.principal.tenant, error=repr(exc))
+            otel.mark_error(span, repr(exc))
             self.emit(_error_frame(cid, EdgeError("internal error", ErrorCode.INTERNAL)))
             if req.stream is not None and not req.stream.is_done:
                 self.edge.spawn(req.stream.cancel("internal_error"))
         finally:
+            otel.end_span(span)
             if self.reqs.get(cid) is req:
                 del self.reqs[cid]
 
@@ -237,8 +260,8 @@ class WsSession:
             for req in reqs:
                 self.cancel(req, reason)
             if reqs:
-                (metrics.SLOW_CONSUMERS if is_slow else metrics.CLIENT_GONE).labels(
-                    self.principal.tenant, "ws").inc()
+                metrics.tenant_child(metrics.SLOW_CONSUMERS if is_slow else metrics.CLIENT_GONE,
+                                     self.principal.tenant, "ws").inc()
             tasks = [r.task for r in reqs if r.task is not None]
             if tasks:
                 await asyncio.wait(tasks, timeout=self.close_timeout_s)
@@ -269,6 +292,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     try:
         principal = edge.authenticate(ws.headers.get("authorization"))
     except EdgeError as err:
+        metrics.request(None, "ws", err.code.value)
         if "websocket.http.response" in ws.scope.get("extensions", {}):
             await ws.send_denial_response(error_response(err))
         else:

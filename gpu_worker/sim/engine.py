@@ -188,6 +188,9 @@ class SimEngine:
     num_preemptions = property(lambda self: self.core.num_preemptions)
     num_recomputed_tokens = property(lambda self: self.core.num_recomputed_tokens)
     num_prefix_cache_hit_tokens = property(lambda self: self.core.num_prefix_cache_hit_tokens)
+    # Only a re-prefill looks the cache up: what it found + what it computed again.
+    num_prefix_cache_queried_tokens = property(
+        lambda self: self.core.num_prefix_cache_hit_tokens + self.core.num_recomputed_tokens)
     sim_time_s = property(lambda self: self.core.sim_time_s)
     steps = property(lambda self: self.core.steps)
     prefix_cache = property(lambda self: self.core.prefix_cache)

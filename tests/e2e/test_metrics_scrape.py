@@ -1,12 +1,17 @@
 """Every process of a real `fairlane up` serves /metrics (the streamer's behind the
-tenants file's admin key), says where, and the text is valid: parsed by prometheus_client, linted by `promtool check metrics` (where the
-binary is installed: `apt-get install prometheus`). The workers' per-tenant token
-counters add up to exactly what the clients received, through the producer library
-and through the HTTP edge."""
+tenants file's admin key), says where, and the text is valid: parsed by
+prometheus_client and linted clean by `promtool check metrics` on every endpoint (the
+test is skipped, saying so, only where the binary is missing: `apt-get install
+prometheus`; under CI it fails instead). After traffic through every entry path
+(producer library, HTTP, websocket) and a few refusals: the workers' per-tenant token
+counters add up to exactly what the clients received, the dispatcher has TTFT and
+queue wait per tier and per tenant, and the streamer counts refusals by tenant and
+reason."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -47,15 +52,31 @@ def _samples(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def _promtool_problems(text: str) -> str:
+def _promtool_problems(text: str) -> str | None:
+    """What `promtool check metrics` finds in `text` ("" if clean); None: no promtool."""
     promtool = shutil.which("promtool")
     if promtool is None:
         # CI installs it (.ci/run): there, a missing binary must not pass unchecked.
         assert not os.environ.get("CI"), "promtool missing (apt-get install prometheus)"
-        return ""
+        return None
     res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
                          text=True, timeout=30)
     return "" if res.returncode == 0 and not res.stdout.strip() else res.stdout + res.stderr
+
+
+async def _ws_request(ws_url: str, key: str, prompt: str, max_tokens: int) -> dict:
+    """One request over the websocket; its end frame's usage."""
+    import websockets
+
+    async with websockets.connect(ws_url, additional_headers={
+            "Authorization": f"Bearer {key}"}) as ws:
+        await ws.send(json.dumps({"type": "request", "id": "m1", "prompt": prompt,
+                                  "max_tokens": max_tokens}))
+        while True:
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            assert frame["type"] in ("accepted", "token", "end"), frame
+            if frame["type"] == "end":
+                return frame["usage"]
 
 
 async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tmp_path):
@@ -84,11 +105,25 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
         # Another entry path: the OpenAI-compatible edge (it reports no cached tokens).
         from openai import AsyncOpenAI
 
-        sdk = AsyncOpenAI(base_url=http, api_key="sk-globex-demo")
+        sdk = AsyncOpenAI(base_url=http, api_key="sk-globex-demo", max_retries=0)
         reply = await sdk.completions.create(model="default", prompt="hi there", max_tokens=5)
-        await sdk.close()
         got["globex"]["prompt"] += reply.usage.prompt_tokens
         got["globex"]["completion"] += reply.usage.completion_tokens
+        # And the websocket (its end frame reports no cached tokens either).
+        ws_url = http.replace("http://", "ws://").removesuffix("/v1") + "/v1/stream"
+        usage = await _ws_request(ws_url, "sk-acme-demo", "over the socket", 4)
+        got["acme"]["prompt"] += usage["prompt_tokens"]
+        got["acme"]["completion"] += usage["completion_tokens"]
+        # Refusals at the edge: an unknown model (globex's), a key nobody has.
+        from openai import AuthenticationError, NotFoundError
+
+        with pytest.raises(NotFoundError):
+            await sdk.completions.create(model="no-such-pool", prompt="x", max_tokens=1)
+        await sdk.close()
+        bad = AsyncOpenAI(base_url=http, api_key="sk-nobody", max_retries=0)
+        with pytest.raises(AuthenticationError):
+            await bad.completions.create(model="default", prompt="x", max_tokens=1)
+        await bad.close()
 
         def fleet_sum(sample: str) -> dict[str, float]:
             total: dict[str, float] = defaultdict(float)
@@ -107,12 +142,15 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
             got["acme"]["cached"])
 
         num_started = 0.0
+        linted = True
         for name, url in urls.items():
             text = _scrape(url, ADMIN_KEY if name == "streamer" else None)
             families = {f.name: f for f in text_string_to_metric_families(text)}
             ours = [n for n in families if n.startswith("fairlane_")]
             assert ours, f"{name}: no fairlane_ series"
-            assert not _promtool_problems(text), f"{name}: {_promtool_problems(text)}"
+            problems = _promtool_problems(text)
+            linted = linted and problems is not None
+            assert not problems, f"{name}: {problems}"
             if name.startswith("worker"):
                 started = families["fairlane_worker_requests_started"]
                 # Per worker it depends on who pulled what; over the fleet, every one.
@@ -122,19 +160,41 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
                 assert "fairlane_worker_engine_step_seconds" in families
             elif name == "dispatcher":
                 assert "fairlane_dispatcher_queue_wait_seconds" in families
+                # TTFT and queue wait per tenant, every entry path: 4 acme, 3 globex.
+                for series, want_n in (("fairlane_dispatcher_tenant_ttft_seconds_count",
+                                        {"acme": 4, "globex": 3}),
+                                       ("fairlane_dispatcher_tenant_queue_wait_seconds_count",
+                                        {"acme": 4, "globex": 3})):
+                    # At least: a preempted or requeued one is dispatched again.
+                    n = _samples(text, series)
+                    assert all(n.get(t, 0) >= v for t, v in want_n.items()), (series, n)
+                ttft = families["fairlane_dispatcher_ttft_seconds"]  # per tier
+                num_ttft = sum(s.value for s in ttft.samples if s.name.endswith("_count"))
+                assert num_ttft >= 7, num_ttft
             elif name == "streamer":
                 assert "fairlane_streamer_requests" in families
+                outcomes = {(s.labels["tenant"], s.labels["outcome"]): s.value
+                            for s in families["fairlane_streamer_requests"].samples
+                            if s.name.endswith("_total")}
+                assert outcomes[("globex", "model_not_found")] == 1, outcomes
+                assert outcomes[("_unknown", "unauthorized")] == 1, outcomes
+                assert outcomes[("acme", "accepted")] == 1, outcomes  # the websocket one
+                relayed = _samples(text, "fairlane_streamer_tokens_relayed_total")
+                assert relayed["acme"] == usage["completion_tokens"], relayed
                 for key in (None, "sk-acme-demo"):  # no key, a tenant's key: 401
                     with pytest.raises(urllib.error.HTTPError) as refused:
                         _scrape(url, key)
                     assert refused.value.code == 401
-        # 3 acme + 2 globex through the producer, 1 globex through the HTTP edge (a
-        # preempted one would start again: at least).
-        assert num_started >= 6, num_started
+        # 3 acme + 2 globex through the producer, 1 globex through the HTTP edge, 1 acme
+        # through the websocket (a preempted one would start again: at least).
+        assert num_started >= 7, num_started
 
         proc.send_signal(signal.SIGINT)
         rest = await asyncio.to_thread(proc.communicate, timeout=60)
         assert proc.returncode == 0, out + rest[0]
+        if not linted:
+            pytest.skip("promtool is not installed (apt-get install prometheus): every "
+                        "other check passed, but no endpoint was linted")
     finally:
         if proc.poll() is None:
             proc.kill()

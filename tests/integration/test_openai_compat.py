@@ -84,6 +84,51 @@ async def test_features_the_fleet_cannot_honour_are_400(edge, kwargs, param, mes
     assert e.value.body["message"].startswith(message), e.value.body
 
 
+async def test_simulator_honours_stop_strings(edge):
+    """`stop` reaches the engine: the simulator ends the answer just before the stop
+    string (not returned), finish_reason "stop", streamed or not (seeded: the same
+    tokens each run)."""
+    _, sdk = edge
+    full = await sdk.completions.create(model="p", prompt="hello", max_tokens=8, seed=2)
+    text = full.choices[0].text
+    words = text.split(" ")  # the simulator's tokens are " tok<id>"
+    assert len(words) == 9 and full.choices[0].finish_reason == "length", text
+    stop = " " + words[4]
+    want = text[:text.index(stop)]
+    resp = await sdk.chat.completions.create(model="p", messages=MESSAGES, max_tokens=8,
+                                             seed=2, stop=[stop, "never-seen"])
+    assert (resp.choices[0].message.content, resp.choices[0].finish_reason) == (want, "stop")
+    stream = await sdk.completions.create(model="p", prompt="hello", max_tokens=8, seed=2,
+                                          stop=stop, stream=True)
+    chunks = [c.choices[0] async for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == want and chunks[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"temperature": 2.5}, "invalid request: temperature must be a number between 0 and 2, "
+                           "got 2.5"),
+    ({"top_p": 0}, "invalid request: top_p must be a number greater than 0 and at most 1, "
+                   "got 0"),
+    ({"max_tokens": 0}, "invalid request: max_tokens must be an integer of at least 1, got 0"),
+    ({"frequency_penalty": 1.5}, "frequency_penalty is not supported (only 0 is accepted), "
+                                 "got 1.5"),
+])
+async def test_out_of_range_errors_say_what_is_allowed(edge, kwargs, message):
+    _, sdk = edge
+    with pytest.raises(openai.BadRequestError) as e:
+        await sdk.chat.completions.create(model="p", messages=MESSAGES, **kwargs)
+    assert e.value.body["message"] == message and e.value.param == next(iter(kwargs))
+
+
+async def test_null_knobs_mean_the_defaults(edge):
+    """What OpenAI's API accepts: null for "the default" (frameworks send it)."""
+    _, sdk = edge
+    resp = await sdk.chat.completions.create(
+        model="p", messages=MESSAGES, max_tokens=2, seed=2,
+        extra_body={"temperature": None, "top_p": None, "stream": None})
+    assert resp.usage.completion_tokens == 2
+
+
 async def test_models_retrieve(edge):
     _, sdk = edge
     model = await sdk.models.retrieve("p")

@@ -86,12 +86,17 @@ def test_every_body_maps_sampling_the_same_way():
     (b"[]", "invalid request: expected an object, got an array"),
     (b'{"prompt":"x"}', "invalid request: missing required field 'model'"),
     (b'{"model":"m","prompt":"x","temperature":2.5}',
-     "invalid request: temperature must be a number <= 2.0"),
+     "invalid request: temperature must be a number between 0 and 2, got 2.5"),
+    (b'{"model":"m","prompt":"x","temperature":-1}',
+     "invalid request: temperature must be a number between 0 and 2, got -1"),
     (b'{"model":"m","prompt":"x","temperature":"hot"}',
-     "invalid request: temperature must be a number, got a string"),
-    (b'{"model":"m","prompt":"x","top_p":0}', "invalid request: top_p must be a number > 0.0"),
+     "invalid request: temperature must be a number or null, got a string"),
+    (b'{"model":"m","prompt":"x","top_p":0}',
+     "invalid request: top_p must be a number greater than 0 and at most 1, got 0"),
     (b'{"model":"m","prompt":"x","max_tokens":0}',
-     "invalid request: max_tokens must be an integer >= 1"),
+     "invalid request: max_tokens must be an integer of at least 1, got 0"),
+    (b'{"model":"m","prompt":"x","priority":5000}',
+     "invalid request: priority must be an integer between -1000 and 1000, got 5000"),
     (b'{"model":"m","prompt":"x","seed":99999999999999999999999}', "invalid request: seed must be"),
     (b'{"model":"m","prompt":"x","stop":["a","b","c","d","e","f","g","h","i"]}',
      "invalid request: stop must have at most 8 items"),
@@ -104,6 +109,45 @@ def test_bad_bodies_are_400_saying_what_is_allowed(body, message):
         decode_body(decode_completion, body)
     assert e.value.status == 400
     assert e.value.message.startswith(message), e.value.message
+
+
+def test_out_of_range_messages_name_the_whole_range():
+    """msgspec names only the bound that was crossed; the message says the range (as
+    vLLM's does: "temperature must be in [0, 2], got 3"), for every bounded field."""
+    from streamer.schema import FIELD_RANGES
+    assert FIELD_RANGES == {
+        "max_tokens": "of at least 1", "max_completion_tokens": "of at least 1",
+        "temperature": "between 0 and 2", "top_p": "greater than 0 and at most 1",
+        "seed": "between -9223372036854775808 and 9223372036854775807",
+        "priority": "between -1000 and 1000", "ttft_budget_ms": "between 1 and 3600000"}
+    with pytest.raises(EdgeError) as e:
+        decode_body(decode_chat, json.dumps({**CHAT, "max_completion_tokens": -3}).encode())
+    assert e.value.message == ("invalid request: max_completion_tokens must be an integer of "
+                               "at least 1, got -3")
+    # A long value is not quoted back.
+    with pytest.raises(EdgeError) as e:
+        decode_body(decode_completion,
+                    b'{"model":"m","prompt":"p","top_p":' + b"1" * 50 + b'.5}')
+    assert e.value.message == ("invalid request: top_p must be a number greater than 0 and at "
+                               "most 1")
+    # A websocket frame's message says the same.
+    frame = b'{"type":"request","id":"a","prompt":"p","temperature":9}'
+    with pytest.raises(msgspec.ValidationError) as e:
+        decode_client_frame.decode(frame)
+    assert validation_message(e.value, ranges=FIELD_RANGES, body=frame) == (
+        "temperature must be a number between 0 and 2, got 9", "temperature")
+
+
+def test_null_sampling_knobs_are_the_defaults():
+    """OpenAI's API takes null for "the default" (LangChain and others send it)."""
+    req = decode_body(decode_chat, json.dumps(
+        {**CHAT, "temperature": None, "top_p": None, "stream": None, "max_tokens": None,
+         "seed": None, "stop": None, "n": None, "presence_penalty": None}).encode())
+    spec = to_spec(req)
+    assert (spec.sampling.temperature, spec.sampling.top_p) == (1.0, 1.0)
+    assert not req.stream and spec.sampling.max_tokens == 99 and spec.sampling.stop == []
+    req = decode_body(decode_completion, b'{"model":"m","prompt":"p","echo":null}')
+    assert to_spec(req).prompt == "p"
 
 
 def test_bad_chat_role_lists_the_roles():

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fairlane.metrics_labels import OTHER_TENANT, TenantLabels
 from fairlane.protocol import (
     EngineLoad,
     ErrorCode,
@@ -25,7 +26,7 @@ from fairlane.protocol import (
     WorkItem,
 )
 from gpu_worker.inflight import InFlight
-from gpu_worker.metrics import OTHER_TENANT, TenantLabels, WorkerMetrics
+from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.sim.engine import SimEngine
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
@@ -153,6 +154,12 @@ async def test_engine_load_and_simulator_steps_are_observed():
         assert reg.get_sample_value("fairlane_worker_in_flight_requests") == 1
         assert reg.get_sample_value("fairlane_worker_engine_kv_preemptions_total") == (
             engine.num_preemptions)
+        # The simulator looks its prefix cache up on re-prefills only: hits + recomputed.
+        hits = reg.get_sample_value("fairlane_worker_engine_prefix_cache_hit_tokens_total")
+        assert hits == engine.num_prefix_cache_hit_tokens
+        assert reg.get_sample_value(
+            "fairlane_worker_engine_prefix_cache_queried_tokens_total") == (
+            hits + engine.num_recomputed_tokens)
     finally:
         await engine.close()
 
