@@ -25,7 +25,6 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,34 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.chaos_report import MUST  # noqa: E402
+from bench.chaos_report import agg as _agg  # noqa: E402
+from bench.chaos_report import failed_by_code as _failed  # noqa: E402
 from bench.common import git_rev, machine  # noqa: E402
 from tests.chaos.scenarios import SCENARIOS, Params, run_scenario  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "chaos.md"
-MUST = ("lost", "generated_twice", "failed_but_billed", "wrongly_failed")
-
-
-def _agg(values: list) -> str:
-    """One number, or median (min-max) over reps; '-' if never measured."""
-    xs = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if not xs:
-        return "-" if not values or all(v is None for v in values) else str(values[0])
-    if len(xs) == 1 or min(xs) == max(xs):
-        return _num(xs[0])
-    return f"{_num(statistics.median(xs))} ({_num(min(xs))}–{_num(max(xs))})"
-
-
-def _num(x: float) -> str:
-    if isinstance(x, int) or float(x).is_integer() or abs(x) >= 100:
-        return str(round(x))
-    return f"{x:.2f}"
-
-
-def _failed(runs: list[dict]) -> str:
-    codes = sorted({c for r in runs for c in r.get("failed", {})})
-    if not codes:
-        return "0"
-    return ", ".join(f"{c} {_agg([r.get('failed', {}).get(c, 0) for r in runs])}" for c in codes)
 
 
 def report(results: dict[str, list[dict]], command: str, started: str, took_s: float,
@@ -225,11 +203,12 @@ def main() -> None:
     configure_logging("warning")  # the client library's info lines (resumes) are counted
     results = asyncio.run(run_all(args))
     md = report(results, command.strip(), started, time.monotonic() - t0, load, dirty)
+    rev = git_rev()  # before writing: a tracked results file rewritten makes the tree dirty
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
     out.with_suffix(".json").write_text(json.dumps(
-        {"command": command.strip(), "commit": git_rev(), "date": started, "machine": machine(),
+        {"command": command.strip(), "commit": rev, "date": started, "machine": machine(),
          "results": results}, indent=1, default=str))
     print(md)
     sys.exit(0 if all("error" not in r and r["ok"] for rs in results.values() for r in rs) else 1)

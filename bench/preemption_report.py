@@ -3,6 +3,7 @@ records that `bench.preemption.run_unit` collected (`bench.harness.RunRecord`)."
 
 from __future__ import annotations
 
+from argparse import Namespace
 from collections.abc import Sequence
 
 from bench.common import quantile
@@ -62,10 +63,15 @@ def _tail_cell(label: str, cs: str, txt: str) -> str:
     return f"max {cs.strip()} {txt}" if cs else f"max={txt}"
 
 
-def probe_rows(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> tuple[list[str], dict]:
-    """Table rows for a burst scenario and per-variant figures {variant: {...}}."""
-    rows: list[str] = []
-    figs: dict[str, dict] = {}
+def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> dict[str, dict]:
+    """Per variant, the figures of a burst scenario: the alone reference (`alone`
+    samples, `alone_label`/`alone_tail`, `pooled_tail` over every variant's alone
+    samples) and, one value per repetition that ran it, `p50s`, `tails`, `ratios`,
+    `ratios_pooled`, `n_samples`, `pre_ev` (preemptions/s), `publish` (burst publish s);
+    `label` ("p99" when every repetition's tail was a p99, else "max") and `censored`
+    (probes without a first token, all repetitions). What `probe_rows` prints and
+    `bench/render_benchmarks.py` renders."""
+    out: dict[str, dict] = {}
     # On an idle fleet the variants behave alike (nothing contends, nothing preempts),
     # so all variants' alone samples pooled are a steadier reference than one window.
     pooled = [x for rs in recs.values() for r in rs
@@ -93,19 +99,33 @@ def probe_rows(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> t
             ratios_pooled.append(ratio(t, pooled_tail))
             pre_ev.append(sc["preempted_events"] / max(sc["probe_window_s"], 1e-9))
             publish.append(sc["publish_s"])
-        label = "p99" if labels == {"p99"} else "max"
+        out[v] = {"alone": alone, "alone_label": a_label, "alone_tail": a_tail,
+                  "pooled_tail": pooled_tail, "p50s": p50s, "tails": tails,
+                  "ratios": ratios, "ratios_pooled": ratios_pooled, "n_samples": n_samples,
+                  "pre_ev": pre_ev, "publish": publish, "censored": cens,
+                  "label": "p99" if labels == {"p99"} else "max"}
+    return out
+
+
+def probe_rows(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> tuple[list[str], dict]:
+    """Table rows for a burst scenario and per-variant figures {variant: {...}}."""
+    rows: list[str] = []
+    figs: dict[str, dict] = {}
+    for v, st in probe_stats(recs, scen, alone_key).items():
+        alone, a_label, a_tail = st["alone"], st["alone_label"], st["alone_tail"]
+        ratios, ratios_pooled, cens = st["ratios"], st["ratios_pooled"], st["censored"]
         figs[v] = {"ratio": summarize(ratios).median, "alone_tail": a_tail,
                    "ratio_pooled": summarize(ratios_pooled).median,
                    "alone_label": a_label, "censored": cens}
         cs = "≥ " if cens else ""
         rows.append(
             f"| {v} | {len(alone)} | {fmt_num(quantile(alone, .5))} | "
-            f"{_tail_txt(a_label, a_tail, False)} | {'/'.join(map(str, n_samples)) or '-'} | "
-            f"{_sumtxt(p50s, prefix=cs)} | "
-            f"{_tail_cell(label, cs, summarize(tails).fmt(1))} | "
+            f"{_tail_txt(a_label, a_tail, False)} | {'/'.join(map(str, st['n_samples'])) or '-'} | "
+            f"{_sumtxt(st['p50s'], prefix=cs)} | "
+            f"{_tail_cell(st['label'], cs, summarize(st['tails']).fmt(1))} | "
             f"**{_sumtxt(ratios, 2, prefix=cs)}** | {_sumtxt(ratios_pooled, 2, prefix=cs)} | "
-            f"{cens} | {_sumtxt(pre_ev, 1)} | "
-            f"{_sumtxt(publish, 1)} |")
+            f"{cens} | {_sumtxt(st['pre_ev'], 1)} | "
+            f"{_sumtxt(st['publish'], 1)} |")
     return rows, figs
 
 
@@ -140,6 +160,24 @@ def split_rows(recs: dict[str, list[RunRecord]], scen: str) -> list[str]:
         rows.append(f"| {v} | {len(probes)} | {pq(cl)} | {pq(q)} | {pq(w)} | {pq(rest)} | "
                     f"{grp(pre)} | {grp(nopre)} |")
     return rows
+
+
+def backlog_stats(recs: dict[str, list[RunRecord]]) -> dict[str, dict]:
+    """Per variant with a backlogged phase: `runs` [(rep, metrics["backlogged"])],
+    `vs_fifo` (throughput ÷ fifo's in the same repetition, per repetition) and `rel`
+    (max relative share error, per repetition whose every share is non-zero)."""
+    out: dict[str, dict] = {}
+    fifo_tps = {r.rep: r.metrics["backlogged"]["tok_per_s"] for r in recs.get("fifo", [])
+                if "backlogged" in r.metrics}
+    for v, rs in recs.items():
+        bs = [(r.rep, r.metrics["backlogged"]) for r in rs if "backlogged" in r.metrics]
+        if not bs:
+            continue
+        vs = [ratio(b["tok_per_s"], fifo_tps.get(rep)) for rep, b in bs]
+        rel = [max(abs(b["shares"][k] - b["target"][k]) / b["target"][k] for k in b["target"])
+               for _, b in bs if all(b["shares"].values())]
+        out[v] = {"runs": bs, "vs_fifo": vs, "rel": rel}
+    return out
 
 
 def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> str:
@@ -250,15 +288,8 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
         p("| variant | completion tok/s | **vs fifo** | preemptions/s | **recomputed % of "
           "generated** | w1 share | w2 share | w4 share | **max rel. share error** | errors |")
         p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-        fifo_tps = {r.rep: r.metrics["backlogged"]["tok_per_s"] for r in recs.get("fifo", [])
-                    if "backlogged" in r.metrics}
-        for v, rs in recs.items():
-            bs = [(r.rep, r.metrics["backlogged"]) for r in rs if "backlogged" in r.metrics]
-            if not bs:
-                continue
-            vs = [ratio(b["tok_per_s"], fifo_tps.get(rep)) for rep, b in bs]
-            rel = [max(abs(b["shares"][k] - b["target"][k]) / b["target"][k] for k in b["target"])
-                   for _, b in bs if all(b["shares"].values())]
+        for v, bk in backlog_stats(recs).items():
+            bs, vs, rel = bk["runs"], bk["vs_fifo"], bk["rel"]
             back[v] = {"vs_fifo": summarize(vs).median, "rel": summarize(rel).median,
                        "rel_max": summarize(rel).hi,
                        "recomputed_pct": summarize([b["recomputed_pct"] for _, b in bs]).median,
@@ -333,6 +364,15 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
     return "\n".join(L) + "\n"
 
 
+def load_records(doc: dict) -> tuple[list[RunRecord], Namespace]:
+    """The records and the run's arguments of a results JSON written by
+    bench/preemption.py ({"meta": ..., "data": {"records", "args", ...}})."""
+    data = doc["data"]
+    records = [RunRecord(**r) for r in data["records"]]
+    args = Namespace(**{"quantum": 0.0, "client_silence_s": 0.0, **data["args"]})
+    return records, args
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.preemption_report RESULTS.json [--append EXTRA.md]`: rewrite the
     markdown beside RESULTS.json from its records (same header: the run's command,
@@ -349,8 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     doc = json.loads(Path(a.json).read_text())
     data = doc["data"]
-    records = [RunRecord(**r) for r in data["records"]]
-    args = argparse.Namespace(**{"quantum": 0.0, "client_silence_s": 0.0, **data["args"]})
+    records, args = load_records(doc)
     body = report(records, args, data["notes"], data["wall_s"])
     extra = Path(a.append).read_text() if a.append else ""
     md = Path(a.json).with_suffix(".md")
