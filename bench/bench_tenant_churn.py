@@ -4,10 +4,18 @@
 
 Drives the real pure core (`PoolCore` around a `Scheduler`), with the pool's stats
 tracker as its observer (as `dispatcher.stats_publisher` installs it), and the
-dispatcher's Prometheus metrics updated as the shell updates them: per dispatch what
-`dispatcher.held.work_item` records, per housekeeping pass what
-`Dispatcher._housekeeping` calls that is not I/O (`PoolCore.tick`, then
-`metrics.observe_scheduler`). No NATS, no workers' processes, no clock: simulated time.
+dispatcher's Prometheus metrics recorded through the hooks the shell calls, nothing
+written directly: `metrics.configure(--metrics-max-tenants, --idle-s)` at start (as
+`Dispatcher.__post_init__`, the bound's default taken from `DispatcherSettings`);
+per request fetched `INGESTED` (`dispatcher.ingest`); per dispatch
+`metrics.dispatched` (`dispatcher.held.work_item`); per Started event
+`metrics.started` with the core's actions (`Dispatcher._on_event`); per `Term` action
+any core call returns `metrics.rejected` (`Dispatcher._apply`); per housekeeping pass
+what `Dispatcher._housekeeping` calls that is not I/O (`PoolCore.tick`, its actions
+applied, then `metrics.observe_scheduler`). The tenant label bound
+(`metrics.TENANTS`, a `TenantLabels`) reads the simulated clock, as the production
+one reads the monotonic clock the core's times come from. No NATS, no workers'
+processes, no clock: simulated time.
 
 Tenants arrive at `--tenants-per-s` (simulated), each submits 1-3 requests (tokens
 cost model: 100 prompt tokens, 64 expected output tokens), 8 simulated workers with 64
@@ -20,7 +28,8 @@ At each checkpoint (tenants arrived so far):
 
 - live per-tenant entries: the scheduler's tenant loads, the policy's tenant states
   (and how many of those are in debt), the stats tracker's per-tenant entries, and the
-  tenant label sets in the Prometheus registry;
+  tenant label sets in the Prometheus registry (children of a metric: a histogram's
+  buckets are one label set), at most `--metrics-max-tenants` tenants plus `_other`;
 - memory: RSS and Python's allocated blocks after `gc.collect()` (no tracemalloc);
 - timings, `--reps` times each, as median (min–max): one housekeeping pass after
   200 ms of churn (what a 200 ms pass sees in production), one stats snapshot, and
@@ -29,7 +38,9 @@ At each checkpoint (tenants arrived so far):
 
 Each policy runs in its own child process (a fresh registry and heap). The same script
 measured the code before the fix (`bench/results/tenant_churn_before.md`): where the
-core has no idle sweep (`PoolCore.tenant_changes`) it calls the old housekeeping.
+core has no idle sweep (`PoolCore.tenant_changes`) it calls the old housekeeping, and
+where `dispatcher.metrics` has no hooks (before the tenant label bound) it records what
+`work_item` recorded then (`QUEUE_WAIT`, `DISPATCHED_COST`).
 """
 
 from __future__ import annotations
@@ -72,7 +83,8 @@ class Churn:
     """One policy's run: the core, the stats tracker and the metrics, in simulated time."""
 
     def __init__(self, policy: str, tenants_per_s: float, idle_s: float,
-                 debtor_every: int) -> None:
+                 debtor_every: int, metrics_max_tenants: int) -> None:
+        from dispatcher import metrics
         from dispatcher.scheduler.core import Scheduler
         from dispatcher.scheduler.pool import PoolCore
         from dispatcher.stats import StatsTracker
@@ -94,16 +106,27 @@ class Churn:
         self._to_finish: deque[tuple[float, str, str]] = deque()
         self._next_pass = PASS_MS
         self._next_snapshot = SNAPSHOT_MS
+        self.num_rejected = 0
+        self.hooks = hasattr(metrics, "dispatched")  # False: the code before the hooks
+        if self.hooks:
+            # The bound on the simulated clock (the dispatcher's runs on the monotonic
+            # clock its core's times come from), then configured as the dispatcher
+            # configures it: --metrics-max-tenants and the core's --tenant-idle-s.
+            from fairlane.metrics_labels import TenantLabels
+
+            metrics.TENANTS = TenantLabels(metrics_max_tenants, idle_s,
+                                           clock=lambda: self.now / 1000)
+            metrics.configure(metrics_max_tenants, idle_s)
 
     # --- what the shell does -----------------------------------------------------------
 
     def housekeeping(self) -> None:
-        """The pure part of `Dispatcher._housekeeping`: the core's tick and the metrics.
-        (`_maybe_preempt` is skipped: it only runs when no pull has a slot free, and
-        these workers always have one.)"""
+        """The pure part of `Dispatcher._housekeeping`: the core's tick (its actions
+        applied) and the metrics. (`_maybe_preempt` is skipped: it only runs when no
+        pull has a slot free, and these workers always have one.)"""
         from dispatcher import metrics
 
-        self.core.tick(self.now)
+        self._apply(self.core.tick(self.now))
         changes = getattr(self.core, "tenant_changes", None)
         if changes is None:  # the code before the idle sweep
             metrics.observe_scheduler(self.core.scheduler, self.now)
@@ -113,13 +136,46 @@ class Churn:
     def snapshot(self) -> None:
         self.tracker.snapshot(self.core, self.now, pool="p")
 
+    def _apply(self, actions: list[Any]) -> None:
+        """What `Dispatcher._apply` records of the core's actions (the rest is I/O):
+        a refusal or a drop (`Term`) counts in `rejected_total`."""
+        from dispatcher import metrics
+        from dispatcher.scheduler.actions import Term
+
+        for a in actions:
+            if isinstance(a, Term):
+                self.num_rejected += 1
+                if self.hooks:
+                    metrics.rejected(a.request.tenant, a.reason)
+
+    def _submit(self, req: Any) -> None:
+        """As `dispatcher.ingest` takes a request fetched from JetStream."""
+        from dispatcher import metrics
+
+        metrics.INGESTED.inc()
+        self._apply(self.core.submit(req, self.now))
+
+    def _started(self, wid: str, rid: str) -> None:
+        """As `Dispatcher._on_event` takes a worker's Started event (no preemptions
+        here: never a continuation)."""
+        from dispatcher import metrics
+
+        actions = self.core.on_started(rid, wid, self.now)
+        if self.hooks:
+            metrics.started(actions, None, self.now)
+        self._apply(actions)
+
     def _dispatched(self, d: Any) -> None:
         from dispatcher import metrics
 
         # As `dispatcher.held.work_item` records every dispatch.
         queue_ms = int(self.now - d.request.arrival_ms)
-        metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
-        metrics.DISPATCHED_COST.labels(tenant=d.request.tenant, tier=d.request.tier).inc(d.cost)
+        if self.hooks:
+            metrics.dispatched(d.request, queue_ms / 1000, d.cost)
+        else:  # what work_item recorded before the hooks
+            metrics.QUEUE_WAIT.labels(tier=d.request.tier).observe(queue_ms / 1000)
+            metrics.DISPATCHED_COST.labels(tenant=d.request.tenant,
+                                           tier=d.request.tier).inc(d.cost)
 
     # --- simulated traffic -------------------------------------------------------------
 
@@ -134,17 +190,20 @@ class Churn:
             self.num_arrived += 1
             tenant = f"t{i:06d}"
             for j in range(1 + i % 3):
-                core.submit(QueuedRequest(f"{tenant}-{j}", tenant, "standard", 100, 64, 64), now)
+                # arrival_ms: the fetch's time, as ingest stamps it.
+                self._submit(QueuedRequest(f"{tenant}-{j}", tenant, "standard", 100, 64, 64,
+                                           arrival_ms=now))
         for wid, rid in self._to_start:
-            core.on_started(rid, wid, now)
+            self._started(wid, rid)
         self._to_start = []
         while self._to_finish and self._to_finish[0][0] <= now:
             _, wid, rid = self._to_finish.popleft()
             debtor = int(rid[1:7]) % self.debtor_every == 0
-            core.on_finished(rid, wid, ActualUsage(100, 128 if debtor else 32), now)
+            self._apply(core.on_finished(rid, wid, ActualUsage(100, 128 if debtor else 32),
+                                         now))
             self._running[wid] -= 1
         for wid, running in self._running.items():
-            core.on_pull(wid, 0, now)
+            self._apply(core.on_pull(wid, 0, now))
             for d in core.select(wid, SLOTS - running, now):
                 self._dispatched(d)
                 self._running[wid] += 1
@@ -168,17 +227,24 @@ class Churn:
     def counts(self) -> dict[str, int]:
         from prometheus_client import REGISTRY
 
+        from dispatcher import metrics
+
         sched = self.core.scheduler
         book = getattr(sched.policy, "_book", None)
         states = list(book.states.values()) if book is not None else []
         t = self.tracker
         tracker_entries = sum(len(getattr(t, name, ())) for name in
                               ("_cum", "_recent", "_configs", "_tenants"))
-        label_sets = set()
+        # A label set: one child of a metric (a histogram's buckets, _sum, _count and
+        # _created are one); samples: the lines of /metrics with a tenant label.
+        label_sets, samples = set(), 0
         for family in REGISTRY.collect():
             for s in family.samples:
                 if "tenant" in s.labels:
-                    label_sets.add((family.name, tuple(sorted(s.labels.items()))))
+                    samples += 1
+                    label_sets.add((family.name, tuple(sorted(
+                        (k, v) for k, v in s.labels.items() if k != "le"))))
+        tenant_labels = getattr(metrics, "TENANTS", None)
         return {
             "tenant_loads": len(sched.tenant_loads()),
             "policy_states": len(states),
@@ -187,6 +253,9 @@ class Churn:
             "unknown_tenant_configs": len(sched.config._unknown),
             "stats_entries": tracker_entries,
             "tenant_label_sets": len(label_sets),
+            "tenant_samples": samples,
+            "metric_tenants": len(tenant_labels) if tenant_labels is not None else -1,
+            "num_rejected": self.num_rejected,
             "num_in_flight": sched.num_in_flight,
         }
 
@@ -218,7 +287,7 @@ class Churn:
 
 
 def child(policy: str, a: argparse.Namespace) -> dict[str, Any]:
-    churn = Churn(policy, a.tenants_per_s, a.idle_s, a.debtor_every)
+    churn = Churn(policy, a.tenants_per_s, a.idle_s, a.debtor_every, a.metrics_max_tenants)
     checkpoints = sorted(int(x) for x in a.checkpoints.split(","))
     t0 = time.perf_counter()
     rows = []
@@ -233,7 +302,8 @@ def child(policy: str, a: argparse.Namespace) -> dict[str, Any]:
         print(f"  {policy}: {target:,} tenants at {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
     return {"policy": policy, "checkpoints": rows, "wall_s": time.perf_counter() - t0,
-            "has_idle_sweep": hasattr(churn.core, "tenant_changes")}
+            "has_idle_sweep": hasattr(churn.core, "tenant_changes"),
+            "has_metrics_hooks": churn.hooks}
 
 
 # --- the parent: one child per policy, then the results file ----------------------------
@@ -241,6 +311,16 @@ def child(policy: str, a: argparse.Namespace) -> dict[str, Any]:
 
 def fmt_s(values: list[float], digits: int = 1) -> str:
     return summarize(values).fmt(digits)
+
+
+def metrics_line(runs: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    if not all(r.get("has_metrics_hooks") for r in runs):
+        return " Metrics: no tenant label bound (this code labels every tenant)."
+    rejected = sum(r["checkpoints"][-1]["num_rejected"] for r in runs)
+    return (f" Metrics through the dispatcher's hooks; at most {a.metrics_max_tenants:,} "
+            f"tenants have label values of their own (`--metrics-max-tenants`), the rest "
+            f"count as `_other`; requests refused or dropped (`rejected_total`): "
+            f"{rejected:,}.")
 
 
 def report(runs: list[dict[str, Any]], a: argparse.Namespace, load: tuple) -> str:
@@ -254,6 +334,7 @@ def report(runs: list[dict[str, Any]], a: argparse.Namespace, load: tuple) -> st
         + (f"{a.idle_s:g} s (`PoolCore.tenant_idle_ms`), so the live set is about "
            f"{a.tenants_per_s:g}/s × {a.idle_s:g} s = {a.tenants_per_s * a.idle_s:,.0f} "
            f"tenants." if sweep else "none (this code keeps every tenant).")
+        + metrics_line(runs, a)
         + f" Timings: {a.reps} repetitions at each checkpoint, median (min–max).")
     lines.append("")
     lines.append(f"Load average (1, 5, 15 min) at start: {load[0]}; at end: {load[1]} "
@@ -284,11 +365,23 @@ scheduler's per-tenant counters (`Scheduler.tenant_loads`), *policy states* the 
 per-(tier, tenant) fairness accounts (DRR deficits, VTC counters; "in debt": DRR states
 with a negative deficit, kept until repaid), *stats entries* the stats tracker's
 per-tenant dicts, *configs cached* the unlisted tenants' settings the pool config
-caches, *tenant label sets* the series with a `tenant` label in the registry
-`/metrics` serves. Flat columns from 10,000 tenants on mean the state follows the live
+caches, *tenant label sets* the children with a `tenant` label of the metrics in the
+registry `/metrics` serves (a histogram's buckets count once). Flat columns from 10,000 tenants on mean the state follows the live
 set (arrival rate × idle period), not every tenant ever seen. The housekeeping pass is
 timed after 200 ms of churn, as the dispatcher's 200 ms pass sees it. RSS does not give
 memory back to the OS readily: read allocated blocks for what is live."""
+
+
+def dispatcher_default(name: str, fallback: Any) -> Any:
+    """A `DispatcherSettings` field's default (`fallback` where the code has none)."""
+    import msgspec
+
+    from dispatcher.config import DispatcherSettings
+
+    for f in msgspec.structs.fields(DispatcherSettings):
+        if f.name == name:
+            return f.default
+    return fallback
 
 
 def main() -> None:
@@ -299,6 +392,9 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=60.0)
     ap.add_argument("--debtor-every", type=int, default=100)
     ap.add_argument("--churn-pass-s", type=float, default=5.0)
+    ap.add_argument("--metrics-max-tenants", type=int,
+                    default=dispatcher_default("metrics_max_tenants", 1000),
+                    help="the tenant label bound (default: the dispatcher's)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--policies", default="drr,vtc")
     ap.add_argument("--out", type=Path, default=RESULTS)
