@@ -14,9 +14,13 @@ module is the glue the real processes provide over NATS, written as events:
 - every message between dispatcher and worker takes `network_ms`;
 - a worker's engine runs one step at a time, or a whole run of steps at once when
   nothing can change its batch (`BatchCore.steps_until_change`); work arriving
-  mid-run cuts the run at the step in progress, as the real engine admits it there;
-- heartbeats every `heartbeat_ms` and housekeeping every `housekeeping_ms` go to the
-  core as the shell sends them, so its liveness rules see a live fleet.
+  mid-run cuts the run at the step in progress, as the real engine admits it there.
+  A run costs O(1) whatever the batch (`BatchCore`'s counters): only sequences whose
+  state changes are touched (first token, finish, preemption), and a sequence's
+  tokens are reported when it leaves the batch, spread over its time there;
+- heartbeats every `heartbeat_ms` (every worker's in one event: they beat in step)
+  and housekeeping every `housekeeping_ms` go to the core as the shell sends them, so
+  its liveness rules see a live fleet.
 
 Not modelled: the client and JetStream legs (ingest is instantaneous), worker or
 broker faults, and the edge's rate limits (the workload is what reaches the pool).
@@ -27,7 +31,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
@@ -36,66 +39,16 @@ from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
 from fleetsim.records import Arrival, Sink, TenantTable
+from fleetsim.state import FleetSettings, Req, Run, Worker
 from gpu_worker.room import pull_room
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
 
-
-@dataclass(slots=True)
-class FleetSettings:
-    """The fleet's shape and the product's timing knobs (their defaults)."""
-
-    num_workers: int = 2
-    step_model: str = "default"  # gpu_worker/sim/step_models/<name>.json or a path
-    max_num_seqs: int | None = None  # None: the step model's
-    kv_tokens_total: int | None = None  # None: the step model's
-    prefetch_seqs: int = 4  # gpu_worker --prefetch-seqs
-    pull_wait_ms: float = 1_000.0  # gpu_worker --pull-wait-ms
-    heartbeat_ms: float = 1_000.0  # gpu_worker --heartbeat-ms
-    worker_timeout_ms: float = 3_500.0  # dispatcher --worker-timeout-ms
-    housekeeping_ms: float = 200.0  # dispatcher --housekeeping-ms
-    network_ms: float = 0.5  # one NATS hop between dispatcher and worker
-    sample_every_s: float = 1.0
-    # Clients send `expected_output_tokens` = the length they will get (the benches do:
-    # the cost model then charges what is generated); else the core estimates from
-    # max_tokens, as for a client that gives no hint.
-    hint_output_tokens: bool = False
-    # Run whole runs of engine steps as one event when nothing can change the batch
-    # (exact: tests compare with False, which steps one at a time).
-    batch_runs: bool = True
+__all__ = ["Fleet", "FleetSettings"]
 
 
-@dataclass(slots=True)
-class _Req:
-    """A request's life in the simulation (the QueuedRequest's payload)."""
-
-    arrival: Arrival
-    tenant: str
-    num_generated: int = 0  # tokens its client has (continuations start here)
-    first_token_ms: float | None = None
-    preemptions: int = 0
-    started: bool = False  # this attempt's first token went out (the message's ack)
-
-
-@dataclass(slots=True)
-class _Run:
-    """Steps in progress on a worker: ends (ms from start) of each, applied at once."""
-
-    start_ms: float
-    ends_ms: list[float]
-    prefill_tokens: int
-    batch: list[Seq]
-    version: int
-
-
-@dataclass(eq=False, slots=True)
-class _Worker:
-    worker_id: str
-    core: BatchCore
-    seqs: dict[str, Seq] = field(default_factory=dict)  # accepted, not ended
-    pulling: bool = False
-    run: _Run | None = None
-    version: int = 0  # bumps when a run is cut: its end event is stale
+def _admission_order(seq: Seq) -> int:
+    return seq.order
 
 
 class Fleet:
@@ -110,16 +63,16 @@ class Fleet:
         self.core = PoolCore(self.scheduler, self.s.worker_timeout_ms)
         self.step_model: StepModel = load_step_model(self.s.step_model)
         self.workers = [
-            _Worker(f"w{i}", BatchCore(self.step_model, max_num_seqs=self.s.max_num_seqs,
-                                       kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
+            Worker(f"w{i}", BatchCore(self.step_model, max_num_seqs=self.s.max_num_seqs,
+                                      kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
             for i in range(self.s.num_workers)]
         self._by_id = {w.worker_id: w for w in self.workers}
         self._events: list[tuple[float, int, Callable, object]] = []
         self._seq = itertools.count()
         # Waiting pulls, (worker, max_items, free KV, free slots, expires): those with a
         # free slot are served first (dispatcher.service), each in arrival order.
-        self._pulls_free: dict[int, tuple[_Worker, int, int, int, float]] = {}
-        self._pulls_prefetch: dict[int, tuple[_Worker, int, int, int, float]] = {}
+        self._pulls_free: dict[int, tuple[Worker, int, int, int, float]] = {}
+        self._pulls_prefetch: dict[int, tuple[Worker, int, int, int, float]] = {}
         self._pull_ids = itertools.count()
         self._tier_index = {name: i for i, name in enumerate(tenants.tiers)}
         self.now_ms = 0.0
@@ -133,26 +86,31 @@ class Fleet:
         heapq.heappush(self._events, (t_ms, next(self._seq), fn, arg))
 
     def run(self, arrivals: Iterator[Arrival], duration_s: float,
-            progress: Callable[[float], None] | None = None) -> None:
-        """Simulate until `duration_s` (arrivals after it are not taken)."""
+            progress: Callable[[float], None] | None = None,
+            progress_every_s: float = 60.0) -> None:
+        """Simulate until `duration_s` (arrivals after it are not taken); `progress`
+        gets the simulated time every `progress_every_s` (it may raise to stop)."""
         end_ms = duration_s * 1000.0
+        self._at(0.0, self._heartbeats)
         for w in self.workers:
-            self._at(0.0, self._heartbeat, w)
             self._at(self.s.network_ms, self._pull, w)
         self._at(self.s.housekeeping_ms, self._housekeeping)
         self._at(0.0, self._sample)
+        inf = float("inf")
         nxt = next(arrivals, None)
+        nxt_ms = nxt.t_s * 1000.0 if nxt is not None else inf
         next_progress_ms = 0.0
         events = self._events
         while True:
-            t_ev = events[0][0] if events else float("inf")
-            if nxt is not None and nxt.t_s * 1000.0 <= t_ev:
-                if nxt.t_s * 1000.0 > end_ms:
-                    nxt = None
+            t_ev = events[0][0] if events else inf
+            if nxt_ms <= t_ev and nxt is not None:
+                if nxt_ms > end_ms:
+                    nxt, nxt_ms = None, inf
                     continue
-                self.now_ms = nxt.t_s * 1000.0
+                self.now_ms = nxt_ms
                 self._arrive(nxt)
                 nxt = next(arrivals, None)
+                nxt_ms = nxt.t_s * 1000.0 if nxt is not None else inf
                 continue
             if t_ev > end_ms:
                 break
@@ -162,8 +120,9 @@ class Fleet:
             fn(arg)
             if progress is not None and t >= next_progress_ms:
                 progress(t / 1000.0)
-                next_progress_ms = t + 60_000.0
+                next_progress_ms = t + progress_every_s * 1000.0
         self.now_ms = end_ms
+        self._flush_tokens()
 
     # --- dispatcher side --------------------------------------------------------------
 
@@ -177,7 +136,7 @@ class Fleet:
             expected_output_tokens=min(a.output_tokens, a.max_tokens)
             if self.s.hint_output_tokens else a.max_tokens,
             priority=a.priority, arrival_ms=self.now_ms)
-        q.payload = _Req(a, tenant)
+        q.payload = Req(a, tenant)
         self._apply(self.core.submit(q, self.now_ms))
         self._serve_pulls()
 
@@ -186,7 +145,7 @@ class Fleet:
         for a in actions:
             match a:
                 case act.SendError(code=code):
-                    r: _Req = a.request.payload
+                    r: Req = a.request.payload
                     self.sink.on_rejected(r.arrival.tenant, self.now_ms / 1000, code.value)
                 case act.CheckStarted():
                     r = a.request.payload
@@ -208,17 +167,34 @@ class Fleet:
             self._apply(self.core.preemptions(self.now_ms, 0))
 
     def _serve_pulls(self) -> None:
+        if not self.scheduler.num_queued:
+            return  # nothing to serve, nothing to preempt for
         now = self.now_ms
         self._maybe_preempt()
+        nothing = False
         for pulls in (self._pulls_free, self._pulls_prefetch):
-            for key in list(pulls):
+            served = []
+            for key, (w, max_items, free_kv, _free_slots, _expires_ms) in pulls.items():
                 if not self.scheduler.num_queued:
                     break  # the rest wait (their expiry events answer them)
-                w, max_items, free_kv, _free_slots, _expires_ms = pulls[key]
                 items = self.core.select(w.worker_id, max_items, now, free_kv or None)
-                if items:
-                    del pulls[key]
-                    self._at(now + self.s.network_ms, self._on_batch, (w, items))
+                if not items:
+                    if not self.core.is_alive(w.worker_id):
+                        continue
+                    # Nothing queued may go now (quota-blocked tenants): whether select
+                    # finds something does not depend on the (live) pull, and a select
+                    # that finds nothing leaves nothing behind that would make the next
+                    # one find something (DRR/VTC park the blocked tenants, fifo puts
+                    # back what it scanned), so every other pull would get nothing too.
+                    # The dispatcher asks each of them (O(pulls) per pass); skipped.
+                    nothing = True
+                    break
+                served.append(key)
+                self._at(now + self.s.network_ms, self._on_batch, (w, items))
+            for key in served:
+                del pulls[key]
+            if nothing:
+                break
         self._maybe_preempt()
 
     def _expire_pull(self, key: int) -> None:
@@ -252,19 +228,19 @@ class Fleet:
         self._at(p[4], self._expire_pull, key)
         self._serve_pulls()
 
-    def _on_started(self, arg: tuple[_Worker, str]) -> None:
+    def _on_started(self, arg: tuple[Worker, str]) -> None:
         self._apply(self.core.on_started(arg[1], arg[0].worker_id, self.now_ms))
 
-    def _on_finished(self, arg: tuple[_Worker, str, ActualUsage]) -> None:
+    def _on_finished(self, arg: tuple[Worker, str, ActualUsage]) -> None:
         w, rid, usage = arg
         self._apply(self.core.on_finished(rid, w.worker_id, usage, self.now_ms))
         self._serve_pulls()
 
-    def _on_preempted(self, arg: tuple[_Worker, str, int]) -> None:
+    def _on_preempted(self, arg: tuple[Worker, str, int]) -> None:
         w, rid, num_generated = arg
         self._apply(self.core.on_preempted(rid, w.worker_id, num_generated, self.now_ms))
 
-    def _on_heartbeat(self, arg: tuple[_Worker, list[str], list[str], EngineLoad]) -> None:
+    def _on_heartbeat(self, arg: tuple[Worker, list[str], list[str], EngineLoad]) -> None:
         w, ids, started, load = arg
         self._apply(self.core.on_heartbeat(
             w.worker_id, ids, self.now_ms, interval_ms=self.s.heartbeat_ms, load=load,
@@ -272,12 +248,17 @@ class Fleet:
 
     # --- worker side -------------------------------------------------------------------
 
-    def _heartbeat(self, w: _Worker) -> None:
-        load = self._load(w.core)
-        ids = list(w.seqs)
-        started = [rid for rid, s in w.seqs.items() if s.owner.started]
-        self._to_dispatcher(self._on_heartbeat, (w, ids, started, load))
-        self._at(self.now_ms + self.s.heartbeat_ms, self._heartbeat, w)
+    def _heartbeats(self, _: object) -> None:
+        """Every worker's heartbeat (they beat in step): one event, not one per worker,
+        each worker's message handled in the same order as separate events would be."""
+        beats = [(w, list(w.seqs), [rid for rid, s in w.seqs.items() if s.owner.started],
+                  self._load(w.core)) for w in self.workers]
+        self._to_dispatcher(self._on_heartbeats, beats)
+        self._at(self.now_ms + self.s.heartbeat_ms, self._heartbeats)
+
+    def _on_heartbeats(self, beats: list[tuple[Worker, list[str], list[str], EngineLoad]]) -> None:
+        for beat in beats:
+            self._on_heartbeat(beat)
 
     @staticmethod
     def _load(core: BatchCore) -> EngineLoad:
@@ -285,7 +266,7 @@ class Fleet:
                           max_num_seqs=core.max_num_seqs, kv_tokens_used=core.kv_tokens_used,
                           kv_tokens_total=core.kv_tokens_total)
 
-    def _pull(self, w: _Worker) -> None:
+    def _pull(self, w: Worker) -> None:
         """The worker's pull loop: ask for work when there is room (`gpu_worker.room`)."""
         if w.pulling:
             return
@@ -297,16 +278,16 @@ class Fleet:
         t = self.now_ms + self.s.network_ms
         self._at(t, self._on_pull, (w, room, free_kv, free_slots, t + self.s.pull_wait_ms))
 
-    def _on_batch(self, arg: tuple[_Worker, list[Dispatch]]) -> None:
+    def _on_batch(self, arg: tuple[Worker, list[Dispatch]]) -> None:
         w, items = arg
         w.pulling = False
         for d in items:
             self._accept(w, d)
         self._pull(w)
 
-    def _accept(self, w: _Worker, d: Dispatch) -> None:
+    def _accept(self, w: Worker, d: Dispatch) -> None:
         q = d.request
-        r: _Req = q.payload
+        r: Req = q.payload
         r.started = False
         a = r.arrival
         seq = Seq(request_id=q.request_id, priority=d.engine_priority,
@@ -318,14 +299,16 @@ class Fleet:
         w.core.add(seq)
         self._wake(w)
 
-    def _on_preempt_order(self, arg: tuple[_Worker, str, Dispatch | None]) -> None:
+    def _on_preempt_order(self, arg: tuple[Worker, str, Dispatch | None]) -> None:
         w, rid, replacement = arg
         seq = w.seqs.get(rid)
         if seq is not None and seq.state is not SeqState.FINISHED:
             self._cut(w)
             w.seqs.pop(rid)
             w.core.release(seq)
-            r: _Req = seq.owner
+            # Its tokens up to the step in progress (cut: the core is applied to there).
+            self._report_tokens(seq, w.run.start_ms if w.run is not None else self.now_ms)
+            r: Req = seq.owner
             r.num_generated = seq.num_output_tokens
             r.preemptions += 1
             self.sink.on_preempted(r.arrival.tenant, self.now_ms / 1000, 0)
@@ -335,7 +318,7 @@ class Fleet:
 
     # --- the engine: steps and runs -------------------------------------------------------
 
-    def _wake(self, w: _Worker) -> None:
+    def _wake(self, w: Worker) -> None:
         """New work for an idle engine starts a step now; a run in progress is cut at
         its step in progress (the engine admits at the next step boundary)."""
         if w.run is None:
@@ -343,57 +326,72 @@ class Fleet:
         else:
             self._cut(w)
 
-    def _cut(self, w: _Worker) -> None:
+    def _cut(self, w: Worker) -> None:
         run = w.run
-        if run is None or len(run.ends_ms) <= 1:
+        if run is None or run.k <= 1:
             return
-        elapsed = self.now_ms - run.start_ms
-        done = sum(1 for e in run.ends_ms if e <= elapsed)
-        if done >= len(run.ends_ms):
+        now = self.now_ms
+        if run.end_of(run.k) <= now:
             return  # its end event is due now
+        lo, hi = 0, run.k  # steps done by now: the last j with end_of(j) <= now
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if run.end_of(mid) <= now:
+                lo = mid
+            else:
+                hi = mid
+        done = lo
         if done:
             w.core.run_steps(done, run.prefill_tokens)
             # The step in progress had its KV growth (the first half of its schedule;
             # within the run's room, so no KV preemption).
             w.core.grow()
-            self._report_tokens(run.batch, run.start_ms, run.start_ms + run.ends_ms[done - 1],
-                                done)
-        step_start = run.start_ms + (run.ends_ms[done - 1] if done else 0.0)
-        step_end = run.start_ms + run.ends_ms[done]
+        step_start, step_end = run.end_of(done), run.end_of(done + 1)
         w.version += 1
-        w.run = _Run(step_start, [step_end - step_start], 0 if done else run.prefill_tokens,
-                     list(w.core.running), w.version)
+        w.run = Run(step_start, 1, run.a_ms + run.b_ms * done, run.b_ms,
+                    0.0 if done else run.pre_ms, 0 if done else run.prefill_tokens,
+                    step_end - step_start, [], w.version)
         self._at(step_end, self._end_run, (w, w.version))
 
-    def _start_steps(self, w: _Worker) -> None:
+    def _start_steps(self, w: Worker) -> None:
         core = w.core
         prefill = core.schedule()
+        now = self.now_ms
+        for seq in core.last_preempted:  # KV exhaustion: back to the engine's queue
+            self._report_tokens(seq, now)
+        for seq in core.last_admitted:
+            r: Req = seq.owner
+            r.tok_ms, r.tok_out = now, seq.num_output_tokens
         if not core.running:
             w.run = None
             return
         # A step with admissions runs alone: its first tokens (Started) go out at its end.
-        k = 1 if prefill or not self.s.batch_runs else core.steps_until_change()
-        ends = core.run_ms(max(1, k), prefill)
+        k = 1 if prefill or not self.s.batch_runs else max(1, core.steps_until_change())
+        a_ms, b_ms, pre_ms = core.run_coeffs(prefill)
         w.version += 1
-        w.run = _Run(self.now_ms, ends, prefill, list(core.running), w.version)
-        self._at(self.now_ms + ends[-1], self._end_run, (w, w.version))
+        w.run = run = Run(now, k, a_ms, b_ms, pre_ms, prefill, pre_ms + a_ms,
+                          core.last_admitted, w.version)
+        self._at(run.end_of(k), self._end_run, (w, w.version))
 
-    def _end_run(self, arg: tuple[_Worker, int]) -> None:
+    def _end_run(self, arg: tuple[Worker, int]) -> None:
         w, version = arg
         run = w.run
         if run is None or version != w.version:
             return  # cut: a newer event ends the step in progress
         w.run = None
         core = w.core
-        k = len(run.ends_ms)
-        if k == 1:
-            got = core.end_step(run.batch, run.ends_ms[0])
+        if run.k == 1:
+            core.advance_step(run.step_ms)
         else:
-            core.run_steps(k, run.prefill_tokens)
-            got = [s for s in run.batch if s.state is SeqState.RUNNING]
-        self._report_tokens(got, run.start_ms, self.now_ms, k)
-        for seq in got:
-            r: _Req = seq.owner
+            core.run_steps(run.k, run.prefill_tokens)
+        # Only sequences whose state changes are touched: first tokens (admitted by
+        # this step) and finishes, in the batch's order.
+        todo = core.pop_finished()
+        if run.admitted:
+            todo = sorted({*todo, *(s for s in run.admitted if s.state is SeqState.RUNNING)},
+                          key=_admission_order)
+        for seq in todo:
+            r: Req = seq.owner
             if not r.started:
                 r.started = True
                 if r.first_token_ms is None:
@@ -406,15 +404,30 @@ class Fleet:
         self._start_steps(w)
         self._pull(w)
 
-    def _report_tokens(self, seqs: list[Seq], start_ms: float, end_ms: float, n: int) -> None:
-        for seq in seqs:
-            self.sink.on_tokens(seq.owner.arrival.tenant, start_ms / 1000, end_ms / 1000, n)
+    def _report_tokens(self, seq: Seq, end_ms: float) -> None:
+        """The tokens `seq` generated since its last report, spread over the time
+        since (`Sink.on_tokens`): once per residency in a batch, not per step."""
+        r: Req = seq.owner
+        n = seq.num_output_tokens - r.tok_out
+        if n > 0:
+            self.sink.on_tokens(r.arrival.tenant, r.tok_ms / 1000, end_ms / 1000, n)
+        r.tok_ms, r.tok_out = end_ms, r.tok_out + n
 
-    def _finish(self, w: _Worker, seq: Seq) -> None:
+    def _flush_tokens(self) -> None:
+        """At the end: runs in progress applied up to their last step that ended (as
+        stepping one at a time would have), then the running sequences' tokens."""
+        for w in self.workers:
+            self._cut(w)
+            t_ms = w.run.start_ms if w.run is not None else self.now_ms
+            for seq in w.core.running:
+                self._report_tokens(seq, t_ms)
+
+    def _finish(self, w: Worker, seq: Seq) -> None:
         core = w.core
         core.release(seq)
+        self._report_tokens(seq, self.now_ms)
         w.seqs.pop(seq.request_id, None)
-        r: _Req = seq.owner
+        r: Req = seq.owner
         a = r.arrival
         e2e_s = (self.now_ms - a.t_s * 1000) / 1000
         ttft_s = ((r.first_token_ms or self.now_ms) - a.t_s * 1000) / 1000

@@ -11,8 +11,20 @@ prefix cache, exactly as `gpu_worker.sim.engine` describes them. Two drivers sha
 
 A step is: `schedule()` (grow running sequences' KV, preempting on exhaustion, then
 admit waiting ones; returns the tokens to prefill), `step_ms(prefill)`, then
-`end_step(step_ms)` (every running sequence gets one token; the driver decides which
-finished and calls `release`).
+`end_step(batch, step_ms)` (every running sequence gets one token; the driver decides
+which finished and calls `release`), or, O(1), `advance_step(step_ms)` and
+`pop_finished()` for a driver that only wants the sequences that finished.
+
+Every step gives every running sequence one token, so the core keeps cumulative
+counters instead of touching each sequence: `_D` tokens per running sequence so far,
+`_T` step milliseconds and `_U` = sum over steps of `_D` (at the step's start) x its
+milliseconds. A running sequence stores its values relative to them when admitted
+(its output count is `_out + _D`; its KV token-seconds grow by
+`(P + _out) * dT + dU`), and its KV blocks are a function of its length and whether
+this step's growth is allocated (`_grown`). Aggregates (`_kv_off`: sum of `P + _out`;
+`_res`: how many running sequences have each `(P + _out) mod block`; `_fin`: a heap
+of the `_D` at which each finishes) make a step or a run of steps O(1), block growth
+O(block size), and finishes O(log n) each; only KV preemption walks the batch.
 """
 
 from __future__ import annotations
@@ -38,42 +50,94 @@ class SeqState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False, slots=True)
-class Seq:
-    """One sequence in the engine. `owner` is the driver's (a stream, a record)."""
+_RUNNING = SeqState.RUNNING
 
-    request_id: str
-    priority: int  # engine priority: lower runs first, is evicted last
-    num_prompt_tokens: int
-    target_output_tokens: int  # it finishes when it has this many (whole request)
-    cache_key: tuple[str, str]  # (cache salt, request id): its prefix-cache entry
-    is_resume: bool = False  # a continuation: its first admission re-prefills
-    num_output_tokens: int = 0  # whole request: resumed-from tokens included
-    owner: Any = None
-    arrival: int = 0  # set by BatchCore.add: FIFO order within a priority
-    state: SeqState = SeqState.WAITING
-    num_blocks: int = 0
-    num_kv_computed: int = 0  # tokens whose KV is computed (the last sampled has none yet)
-    num_admissions: int = 0
-    num_preemptions: int = 0
-    kv_token_seconds: float = 0.0
-    # A continuation's first admission: re-prefilled tokens the prefix cache did not
-    # hold, and prompt tokens it did.
-    num_recomputed_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
+
+class Seq:
+    """One sequence in the engine. `owner` is the driver's (a stream, a record).
+
+    While it runs, its output count, KV blocks, computed KV and KV token-seconds are
+    read from its core's counters (properties); leaving the batch stores them."""
+
+    __slots__ = ("request_id", "priority", "num_prompt_tokens", "target_output_tokens",
+                 "cache_key", "is_resume", "owner", "arrival", "state", "num_admissions",
+                 "num_preemptions", "num_recomputed_tokens", "num_cached_prompt_tokens",
+                 "order", "_core", "_out", "_kvts", "_t0", "_u0", "_d0", "_hit")
+
+    def __init__(self, request_id: str, priority: int, num_prompt_tokens: int,
+                 target_output_tokens: int, cache_key: tuple[str, str], is_resume: bool = False,
+                 num_output_tokens: int = 0, owner: Any = None) -> None:
+        self.request_id = request_id
+        self.priority = priority  # engine priority: lower runs first, is evicted last
+        self.num_prompt_tokens = num_prompt_tokens
+        self.target_output_tokens = target_output_tokens  # whole request: finishes here
+        self.cache_key = cache_key  # (cache salt, request id): its prefix-cache entry
+        self.is_resume = is_resume  # a continuation: its first admission re-prefills
+        self.owner = owner
+        self.arrival = 0  # set by BatchCore.add: FIFO order within a priority
+        self.state = SeqState.WAITING
+        self.num_admissions = 0
+        self.num_preemptions = 0
+        # A continuation's first admission: re-prefilled tokens the prefix cache did not
+        # hold, and prompt tokens it did.
+        self.num_recomputed_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self._core: BatchCore | None = None  # set while running
+        # Output tokens, whole request (resumed-from included); while running, less _D.
+        self._out = num_output_tokens
+        self._kvts = 0.0  # KV token-seconds until this residency began
+        self._t0 = self._u0 = 0.0  # when admitted: the core's _T, _U, _D, and the KV
+        self._d0 = self._hit = 0  # tokens the prefix cache gave
+        self.order = 0  # admission order (BatchCore): its place in the running list
+
+    def __repr__(self) -> str:
+        return f"Seq({self.request_id!r}, {self.state.value}, out={self.num_output_tokens})"
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
 
     @property
-    def num_kv_tokens(self) -> int:
-        """Tokens whose KV this sequence holds (zero while waiting)."""
-        return self.num_prompt_tokens + self.num_output_tokens if self.num_blocks else 0
+    def num_output_tokens(self) -> int:
+        c = self._core
+        return self._out if c is None else self._out + c._D
 
     @property
     def num_tokens_left(self) -> int:
         return self.target_output_tokens - self.num_output_tokens
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV this sequence holds (zero while waiting)."""
+        c = self._core
+        return 0 if c is None else self.num_prompt_tokens + self._out + c._D
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks held: while running, enough for its tokens (and the next one's
+        once this step's growth is allocated)."""
+        c = self._core
+        if c is None:
+            return 0
+        return -(-(self.num_prompt_tokens + self._out + c._D + c._grown) // c.block_size)
+
+    @property
+    def num_kv_computed(self) -> int:
+        """Tokens whose KV is computed (the last sampled has none yet)."""
+        c = self._core
+        if c is None:
+            return 0
+        if c._D > self._d0:  # a step fed the previously sampled token
+            return self.num_prompt_tokens + self._out + c._D - 1
+        return self._hit
+
+    @property
+    def kv_token_seconds(self) -> float:
+        c = self._core
+        if c is None:
+            return self._kvts
+        return self._kvts + ((self.num_prompt_tokens + self._out) * (c._T - self._t0)
+                             + (c._U - self._u0)) / 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +162,13 @@ class BatchCore:
         self.num_blocks_total = total // self.block_size
         if self.num_blocks_total < 1:
             raise ValueError("kv_tokens_total must hold at least one KV block")
-        self.running: list[Seq] = []
+        self.running: list[Seq] = []  # in admission order
         self._waiting: list[tuple[int, int, Seq]] = []  # heap; stale entries skipped
         self.num_waiting = 0
         self.free_blocks = self.num_blocks_total  # includes the prefix cache's blocks
         self.prefix_cache = PrefixCache()
         self._arrivals = itertools.count()
+        self._orders = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0
         # Tokens prefilled again (a preempted sequence's or a continuation's prompt +
@@ -112,6 +177,18 @@ class BatchCore:
         self.num_prefix_cache_hit_tokens = 0
         self.sim_time_s = 0.0
         self.steps: deque[StepRecord] = deque(maxlen=step_log_size)
+        # What the last `schedule()` admitted and preempted (for drivers that report
+        # per sequence only when it changes).
+        self.last_admitted: list[Seq] = []
+        self.last_preempted: list[Seq] = []
+        # Cumulative counters (module docstring); reset whenever the batch empties.
+        self._D = 0
+        self._T = 0.0
+        self._U = 0.0
+        self._grown = False  # this step's KV growth is allocated (schedule ran)
+        self._kv_off = 0
+        self._res = [0] * self.block_size
+        self._fin: list[tuple[int, int, int, Seq]] = []  # (finish _D, arrival, adm, seq)
 
     # --- queue ----------------------------------------------------------------------
 
@@ -138,15 +215,23 @@ class BatchCore:
     def kv_tokens_total(self) -> int:
         return self.num_blocks_total * self.block_size
 
+    @property
+    def kv_tokens_in_use(self) -> int:
+        """KV tokens the running sequences hold (prompt + output each)."""
+        return self._kv_off + len(self.running) * self._D
+
     # --- one step -------------------------------------------------------------------
 
     def schedule(self) -> int:
         """Grow running sequences (preempting on KV exhaustion), then admit waiting
         ones. Returns the number of tokens to prefill in this step."""
+        self.last_admitted = []  # a new list: a driver may hold on to the last one
+        if self.last_preempted:
+            self.last_preempted = []
         if self.grow() and self.running:
             return 0  # as vLLM: no admissions in a step that had to preempt
         prefill = 0
-        while len(self.running) < self.max_num_seqs:
+        while self.num_waiting and len(self.running) < self.max_num_seqs:
             head = self.peek_waiting()
             if head is None:
                 break
@@ -162,25 +247,41 @@ class BatchCore:
         """The first half of `schedule`: give each running sequence the KV blocks its
         next token needs, preempting (latest, lowest priority first) when they run
         out. True if it preempted."""
-        preempted = False
+        if self._grown or not self.running:
+            self._grown = True
+            return False
+        # A sequence needs a block now iff its length is a multiple of the block size.
+        need = self._res[-self._D % self.block_size]
+        if need <= self.free_blocks:
+            if need:
+                self._take_free_blocks(need)
+            self._grown = True
+            return False
+        return self._grow_preempting()
+
+    def _grow_preempting(self) -> bool:
+        """`grow` when the blocks run out: sequence by sequence, highest priority
+        first, evicting the lowest-priority latest one until each fits. A victim is
+        never one that grew in this pass (it has the highest key still running), so
+        `_grown` can stay False until the end."""
+        bs = self.block_size
         for seq in sorted(self.running, key=lambda s: s.key):
-            if seq.state is not SeqState.RUNNING:
+            if seq.state is not _RUNNING:
                 continue  # preempted earlier in this pass
-            need = self.blocks_for(seq) - seq.num_blocks
+            need = 1 if seq.num_kv_tokens % bs == 0 else 0
             while need > self.free_blocks:
                 victim = max(self.running, key=lambda s: s.key)
                 self._preempt(victim)
-                preempted = True
                 if victim is seq:
                     break
-            if seq.state is SeqState.RUNNING and need > 0:
-                seq.num_blocks += need
+            if seq.state is _RUNNING and need:
                 self._take_free_blocks(need)
-        return preempted
+        self._grown = True
+        return True
 
     def step_ms(self, prefill_tokens: int) -> float:
         """Duration of the step about to run over the current batch."""
-        kv_in_use = sum(s.num_kv_tokens for s in self.running)
+        kv_in_use = self.kv_tokens_in_use
         ms = self.step_model.step_ms(len(self.running), kv_in_use, prefill_tokens)
         self.steps.append(StepRecord(len(self.running), kv_in_use, prefill_tokens, ms))
         return ms
@@ -189,17 +290,44 @@ class BatchCore:
         """The step over `batch` (the running list when it began) ended: each of its
         sequences still running gets one token. Returns those (the driver decides
         which finished and `release`s them)."""
+        self.advance_step(step_ms)
+        out = [s for s in batch if s.state is _RUNNING]
+        if len(out) != len(self.running):
+            raise RuntimeError("end_step: the batch is not the running list of the step")
+        return out
+
+    def advance_step(self, step_ms: float) -> None:
+        """`end_step` in O(1), for a driver that reads finishes from `pop_finished`."""
         self.num_steps += 1
         self.sim_time_s += step_ms / 1000.0
+        self._T += step_ms
+        self._U += self._D * step_ms
+        self._D += 1
+        self._grown = False
+
+    def pop_finished(self) -> list[Seq]:
+        """The running sequences that have all their tokens (still running: the
+        driver releases them), in admission order."""
+        fin, d = self._fin, self._D
+        if not fin or fin[0][0] > d:
+            return []
         out = []
-        for seq in batch:
-            if seq.state is SeqState.RUNNING:  # not aborted during the step
-                seq.kv_token_seconds += seq.num_kv_tokens * step_ms / 1000.0
-                seq.num_output_tokens += 1
-                # The step fed the previously sampled token: all but the new one have KV.
-                seq.num_kv_computed = seq.num_prompt_tokens + seq.num_output_tokens - 1
+        while fin and fin[0][0] <= d:
+            _, _, adm, seq = heapq.heappop(fin)
+            if seq.state is _RUNNING and seq.num_admissions == adm and seq._core is self:
                 out.append(seq)
+        if len(out) > 1:
+            out.sort(key=lambda s: s.order)
         return out
+
+    def _min_tokens_left(self) -> int:
+        fin = self._fin
+        while fin:
+            _, _, adm, seq = fin[0]
+            if seq.state is _RUNNING and seq.num_admissions == adm and seq._core is self:
+                return fin[0][0] - self._D
+            heapq.heappop(fin)  # stale: released or admitted again
+        return 0
 
     # --- many steps at once (virtual time) ---------------------------------------------
 
@@ -210,7 +338,7 @@ class BatchCore:
         (stop strings) must not be in a batch run this way."""
         if not self.running:
             return 0
-        k = min(s.num_tokens_left for s in self.running)
+        k = self._min_tokens_left()
         if k <= 1:
             return k
         head = self.peek_waiting()
@@ -219,29 +347,45 @@ class BatchCore:
         if head is not None and len(self.running) < self.max_num_seqs and (
                 self.blocks_for(head) <= self.free_blocks):
             return 1
+        # Growth within the run never takes more than one block per sequence per
+        # `block_size` steps (+1): when even that fits, no need to count.
+        if len(self.running) * (k // self.block_size + 1) <= self.free_blocks:
+            return k
         while k > 1 and self._growth_blocks(k) > self.free_blocks:
             k //= 2  # growth would need a KV preemption inside the run
         return k
 
     def _growth_blocks(self, num_steps: int) -> int:
         """Blocks the running sequences take on over `num_steps` more steps' schedules
-        (the first step's growth is already allocated)."""
-        bs = self.block_size
-        return sum(-(-(s.num_prompt_tokens + s.num_output_tokens + num_steps) // bs)
-                   - s.num_blocks for s in self.running)
+        (the first step's growth is already allocated if `schedule` ran): for each,
+        the block boundaries its length crosses, counted from the residues."""
+        g = int(self._grown)
+        span = num_steps - g  # lengths x + g .. x + num_steps - 1 each start a block?
+        if span <= 0:
+            return 0
+        bs, res = self.block_size, self._res
+        full, rem = divmod(span, bs)
+        n = full * len(self.running)
+        if rem:
+            # Residues r = -D-g-d (mod bs) for d < rem: one circular slice of `res`.
+            lo = (-self._D - g - rem + 1) % bs
+            hi = lo + rem
+            n += sum(res[lo:hi]) if hi <= bs else sum(res[lo:]) + sum(res[:hi - bs])
+        return n
 
-    def _run_coeffs(self, prefill_tokens: int) -> tuple[float, float, float]:
-        """Step j of a run over the current batch lasts a + b*j ms, plus the prefill
-        in step 0: each step adds one KV token per sequence."""
+    def run_coeffs(self, prefill_tokens: int) -> tuple[float, float, float]:
+        """Step j (from 0) of a run over the current batch lasts a + b*j ms, plus the
+        prefill in step 0: each step adds one KV token per sequence."""
         m = self.step_model
         n = len(self.running)
-        kv0 = sum(s.num_kv_tokens for s in self.running)
+        kv0 = self._kv_off + n * self._D
         a_ms = m.step_base_ms + m.step_per_seq_ms * n + m.step_per_kv_token_ms * kv0
-        return a_ms, m.step_per_kv_token_ms * n, m.prefill_ms(prefill_tokens)
+        return (a_ms, m.step_per_kv_token_ms * n,
+                m.prefill_ms(prefill_tokens) if prefill_tokens else 0.0)
 
     def run_ms(self, num_steps: int, prefill_tokens: int) -> list[float]:
         """End times (ms from now) of each step of a run of `num_steps` (see run_steps)."""
-        a_ms, b_ms, t = self._run_coeffs(prefill_tokens)
+        a_ms, b_ms, t = self.run_coeffs(prefill_tokens)
         out = []
         for j in range(num_steps):
             t += a_ms + b_ms * j
@@ -252,25 +396,22 @@ class BatchCore:
         """Run `num_steps` steps over the current batch at once (the first includes
         `prefill_tokens`), as `num_steps` rounds of schedule/end_step would with no
         admission or KV preemption in between; returns their total ms. Every running
-        sequence gets `num_steps` tokens; the driver releases the finished ones."""
+        sequence gets `num_steps` tokens; the driver releases the finished ones
+        (`pop_finished`). O(block size), whatever the batch."""
         k = num_steps
-        a_ms, b_ms, pre_ms = self._run_coeffs(prefill_tokens)
+        a_ms, b_ms, pre_ms = self.run_coeffs(prefill_tokens)
         s1, s2 = k * (k - 1) / 2, (k - 1) * k * (2 * k - 1) / 6  # sum j, sum j^2
         total_ms = a_ms * k + b_ms * s1 + pre_ms
         # The schedules before steps 2..k grow each sequence to cover P + O + k tokens.
         grow = self._growth_blocks(k)
         if grow > 0:
             self._take_free_blocks(grow)
-        bs = self.block_size
-        for s in self.running:
-            c = s.num_kv_tokens
-            # sum over j of (c + j) * (a + b j), plus the prefill step's c * pre
-            s.kv_token_seconds += (c * a_ms * k + (c * b_ms + a_ms) * s1 + b_ms * s2
-                                   + c * pre_ms) / 1000.0
-            s.num_blocks = max(s.num_blocks,
-                               -(-(s.num_prompt_tokens + s.num_output_tokens + k) // bs))
-            s.num_output_tokens += k
-            s.num_kv_computed = s.num_prompt_tokens + s.num_output_tokens - 1
+        # A sequence holding c = P + _out + _D tokens at the start gains
+        # sum_j (c + j) * (a + b j) + c * pre: c * dT + dU with these.
+        self._U += self._D * total_ms + a_ms * s1 + b_ms * s2
+        self._T += total_ms
+        self._D += k
+        self._grown = False
         self.num_steps += k
         self.sim_time_s += total_ms / 1000.0
         return total_ms
@@ -279,7 +420,7 @@ class BatchCore:
 
     def _admit(self, seq: Seq, need: int) -> int:
         """Move `seq` into the batch with `need` blocks; returns its prefill tokens."""
-        num_tokens = seq.num_prompt_tokens + seq.num_output_tokens
+        num_tokens = seq.num_prompt_tokens + seq._out
         hit_tokens = 0
         # Recompute-style: a preempted sequence or a continuation re-prefills prompt +
         # generated tokens, less the full blocks its prefix-cache entry still holds. At
@@ -294,12 +435,21 @@ class BatchCore:
             if seq.num_admissions == 0:  # the continuation's own re-prefill
                 seq.num_recomputed_tokens = num_tokens - hit_tokens
                 seq.num_cached_prompt_tokens = min(hit_tokens, seq.num_prompt_tokens)
-        self._take_free_blocks(need)
-        seq.state = SeqState.RUNNING
-        seq.num_blocks = need
-        seq.num_kv_computed = hit_tokens
+        self._take_free_blocks(need)  # = blocks_for(seq): consistent with _grown
+        seq.state = _RUNNING
         seq.num_admissions += 1
+        # From now on relative to the counters (the Seq properties read them).
+        off = seq._out - self._D
+        seq._out, seq._core = off, self
+        seq._t0, seq._u0, seq._d0, seq._hit = self._T, self._U, self._D, hit_tokens
+        seq.order = next(self._orders)
+        x = seq.num_prompt_tokens + off
+        self._kv_off += x
+        self._res[x % self.block_size] += 1
+        heapq.heappush(self._fin, (seq.target_output_tokens - off, seq.arrival,
+                                   seq.num_admissions, seq))
         self.running.append(seq)
+        self.last_admitted.append(seq)
         return num_tokens - hit_tokens
 
     def _take_free_blocks(self, n: int) -> None:
@@ -318,19 +468,30 @@ class BatchCore:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(seq)
+        self.last_preempted.append(seq)
         log.debug("sim_preempted", request_id=seq.request_id, num_output_tokens=seq.num_output_tokens)
 
     def release(self, seq: Seq) -> None:
         """Take `seq` out of the batch / queue and free its KV blocks; its full
         computed blocks stay in the prefix cache (free, evictable) for a later run."""
-        if seq.state is SeqState.RUNNING:
+        if seq.state is _RUNNING and seq._core is self:
+            blocks, computed = seq.num_blocks, seq.num_kv_computed
+            seq._kvts = seq.kv_token_seconds
+            x = seq.num_prompt_tokens + seq._out
+            seq._out += self._D
+            seq._core = None
+            self._kv_off -= x
+            self._res[x % self.block_size] -= 1
             self.running.remove(seq)
+            self.free_blocks += blocks
+            self.prefix_cache.put(seq.cache_key, min(blocks, computed // self.block_size))
+            if not self.running:
+                self._rebase()
         elif seq.state is SeqState.WAITING:
             self.num_waiting -= 1  # its heap entry goes stale and is skipped
-        if seq.num_blocks:
-            self.free_blocks += seq.num_blocks
-            full_blocks = min(seq.num_blocks, seq.num_kv_computed // self.block_size)
-            self.prefix_cache.put(seq.cache_key, full_blocks)
-        seq.num_blocks = 0
-        seq.num_kv_computed = 0
         seq.state = SeqState.FINISHED
+
+    def _rebase(self) -> None:
+        """Nothing runs: restart the counters at 0 (keeps the floats small)."""
+        self._D, self._T, self._U = 0, 0.0, 0.0
+        self._fin.clear()

@@ -85,7 +85,8 @@ def flood_and_probe(seed=1, burst=3000, duration_s=40.0, probe_per_s=10.0):
 
 def run(arrivals, t, cfg, duration_s, **kw) -> tuple[Fleet, Collect]:
     sink = Collect()
-    settings = FleetSettings(num_workers=2, max_num_seqs=32, hint_output_tokens=True, **kw)
+    settings = FleetSettings(**{"num_workers": 2, "max_num_seqs": 32, "hint_output_tokens": True,
+                                **kw})
     fleet = Fleet(cfg, t, sink, settings)
     fleet.run(iter(arrivals), duration_s)
     return fleet, sink
@@ -107,16 +108,96 @@ def test_every_request_ends_and_every_token_is_counted():
     assert sink.samples >= 200
 
 
+def engines(fleet: Fleet) -> list[tuple]:
+    """Each worker's engine at the end: steps, time, KV, preemptions, prefix cache."""
+    return [(w.core.num_steps, round(w.core.sim_time_s, 6), w.core.free_blocks,
+             w.core.kv_tokens_in_use, w.core.num_preemptions, w.core.num_recomputed_tokens,
+             w.core.prefix_cache.num_blocks, len(w.core.running), w.core.num_waiting)
+            for w in fleet.workers]
+
+
 def test_runs_of_steps_change_nothing():
     """Whole runs of steps as one event (the speed-up) give exactly the step-by-step
-    result: same finishes at the same times, same first tokens."""
+    result: same finishes at the same times, same first tokens, same tokens per tenant,
+    the same engines at the end (steps, KV, prefix cache)."""
     arrivals = flood_and_probe(burst=800, duration_s=15.0)
     t = table("A", "L")
     fast, a = run(arrivals, t, config(t), 60.0)
     slow, b = run(arrivals, t, config(t), 60.0, batch_runs=False)
     assert sorted(a.finished) == sorted(b.finished)
     assert a.ttft == b.ttft
+    assert a.tokens == b.tokens
+    assert a.preempted == b.preempted > 0
+    assert engines(fast) == engines(slow)
     assert fast.num_events < slow.num_events * 0.7
+
+
+def test_runs_cut_mid_run_change_nothing():
+    """Ended early (arrivals cut runs, work is still running at the end): the same."""
+    rng = random.Random(8)
+    t = table("a", "b", "c")
+    arrivals = sorted((Arrival(rng.uniform(0, 12), rng.randrange(3), rng.randint(8, 900),
+                               rng.randint(1, 400), 400) for _ in range(900)),
+                      key=lambda a: a.t_s)
+    fast, a = run(arrivals, t, config(t), 10.0, kv_tokens_total=16 * 400)
+    slow, b = run(arrivals, t, config(t), 10.0, kv_tokens_total=16 * 400, batch_runs=False)
+    assert sorted(a.finished) == sorted(b.finished)
+    assert a.ttft == b.ttft
+    assert a.tokens == b.tokens
+    assert engines(fast) == engines(slow)
+    assert sum(w.core.num_preemptions for w in fast.workers) > 0  # KV exhaustion too
+
+
+class AskEveryPull(Fleet):
+    """The dispatcher's loop as it is: every waiting pull gets a select, even after one
+    found nothing (`Fleet._serve_pulls` stops there)."""
+
+    empty = 0
+
+    def _serve_pulls(self) -> None:
+        now = self.now_ms
+        self._maybe_preempt()
+        for pulls in (self._pulls_free, self._pulls_prefetch):
+            for key in list(pulls):
+                if not self.scheduler.num_queued:
+                    break
+                w, max_items, free_kv, _, _ = pulls[key]
+                items = self.core.select(w.worker_id, max_items, now, free_kv or None)
+                if items:
+                    del pulls[key]
+                    self._at(now + self.s.network_ms, self._on_batch, (w, items))
+                else:
+                    self.empty += 1
+        self._maybe_preempt()
+
+
+@pytest.mark.parametrize("policy", ["drr", "vtc", "fifo"])
+def test_skipping_pulls_nothing_may_take_changes_nothing(policy):
+    """Quota-blocked tenants (max_concurrent) leave work queued that no pull may take:
+    asking every other pull too gives the same run."""
+    rng = random.Random(4)
+    t = table("big", "mid", "small")
+    limits = {"big": 6, "mid": 3, "small": 2}
+    cfg = SchedulerConfig(
+        policy=policy, cost_model="tokens", quantum=544,
+        tenants={n: TenantConfig(n, max_concurrent=limits[n]) for n in t.names},
+        preemption=PreemptionConfig(enabled=policy != "fifo"))
+    arrivals = sorted((Arrival(rng.uniform(0, 15), rng.choice((0, 0, 0, 1, 2)), 32,
+                               rng.randint(16, 200), 200) for _ in range(700)),
+                      key=lambda a: a.t_s)
+    settings = FleetSettings(num_workers=4, max_num_seqs=4, hint_output_tokens=True)
+    out = []
+    for cls in (Fleet, AskEveryPull):
+        sink = Collect()
+        fleet = cls(cfg, t, sink, settings)
+        fleet.run(iter(arrivals), 60.0)
+        out.append((fleet, sink))
+    (fast, a), (naive, b) = out
+    assert naive.empty > 100  # the case happened
+    assert sorted(a.finished) == sorted(b.finished)
+    assert a.ttft == b.ttft
+    assert engines(fast) == engines(naive)
+    assert fast.num_preemptions == naive.num_preemptions
 
 
 def test_preemption_spares_the_quiet_tenant_the_flood():

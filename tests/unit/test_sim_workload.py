@@ -464,13 +464,16 @@ def test_example_scale():
     assert len(w.tenants) == 100_000 and w.tenants.tiers == ["enterprise", "pro", "free"]
     assert w.duration_s == 3600
     rate_per_s = w.expected_requests() / w.duration_s
-    assert 6_500 <= rate_per_s <= 7_500
+    assert 5_500 <= rate_per_s <= 6_500
     first = list(itertools.islice(w.arrivals(), 50_000))
     assert_close(len(first) / first[-1].t_s, rate_per_s, 0.1)
     mean_output = sum(min(a.output_tokens, a.max_tokens) for a in first) / len(first)
     assert 230 <= mean_output <= 270
-    # ~3.9 s per request per slot on 32,000 slots: 70-95% busy.
-    assert 0.7 <= rate_per_s * mean_output * 0.015 / 32_000 <= 0.95
+    # ~13.5 ms decode steps, and each of a worker's admissions (~6/s) stalls its batch
+    # for a ~30 ms prefill: ~4.3 s per request per slot on 32,000 slots, ~80% busy
+    # (bench/bench_simulate_scale.py measures it).
+    slot_s = mean_output * 0.0135 / (1 - rate_per_s / 1000 * 0.030)
+    assert 0.7 <= rate_per_s * slot_s / 32_000 <= 0.9
     weights = {w.tenants.weight_of[i] for i in range(len(w.tenants))}
     assert weights <= {1.0, 2.0, 3.0, 4.0} and len(weights) >= 3
 

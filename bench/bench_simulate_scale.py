@@ -1,0 +1,282 @@
+"""How fast `fairlane simulate` runs: workers x tenants x simulated seconds, wall clock.
+
+    PYTHONPATH=. python bench/bench_simulate_scale.py \\
+        [--scales 10x100,100x10000,1000x100000] [--duration-s 3600] [--max-wall-s 900]
+
+Issue 12's target: 1,000 workers x 100,000 tenants x one simulated hour in under 10
+minutes on this 2-core machine, memory bounded. Each scale runs `fleetsim.fleet.Fleet`
+with `fleetsim.recorder.Recorder` exactly as `fairlane simulate` does (`tuned_gc`
+included), in its own child process (peak RSS is that process's own,
+`resource.getrusage`, no tracemalloc), on `bench/workloads/scale.yaml`'s traffic
+mix scaled to the size:
+
+- the tenants of each class in proportion (100,000 -> the file's counts), at least one,
+  each class keeping its share of the traffic;
+- outputs uniform 128-384 tokens (`max_tokens` 384), the file's prompt lengths;
+- every class's per-tenant rate multiplied by one factor so that the fleet's slots
+  (`--slots` per worker, default 32) are `--load` (0.8) busy: the rate per worker is
+  `n / (E[out] * step_ms(n) + n * prefill_ms(E[prompt]))` for n = load x slots (each
+  admission's prefill stalls the batch for one step). The measured busy fraction
+  (mean running / slots, after a warm-up of 10 simulated s) is in the table.
+
+Wall time is `time.perf_counter` around `Fleet.run` only (workload and config building
+and the report are not in it; they are seconds, O(tenants)). A scale that would pass
+`--max-wall-s` stops at the next `--progress-s` checkpoint: its row then shows the
+simulated time reached, and the hour is extrapolated from its steady-state rate
+(labelled as such). `--duration-s 1000x100000:600` sets one scale's duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import RunMeta, fmt_num, write_results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "simulate_scale.md"
+TEMPLATE = ROOT / "bench" / "workloads" / "scale.yaml"
+TITLE = "Fleet simulator speed: workers x tenants x simulated time"
+TARGET_WALL_S = 600.0  # issue 12: the hour in under 10 minutes
+HOUR_S = 3600.0
+WARMUP_S = 10.0
+OUTPUT = {"dist": "uniform", "min": 128, "max": 384}
+
+
+def parse_scale(text: str) -> tuple[int, int]:
+    w, _, t = text.lower().partition("x")
+    return int(w), int(t)
+
+
+def scaled_counts(counts: list[int], num_tenants: int) -> list[int]:
+    """The classes' tenant counts in proportion to `num_tenants` (largest remainder,
+    each class at least one)."""
+    total = sum(counts)
+    exact = [c * num_tenants / total for c in counts]
+    out = [max(1, math.floor(x)) for x in exact]
+    order = sorted(range(len(counts)), key=lambda i: exact[i] - math.floor(exact[i]),
+                   reverse=True)
+    for i in order:
+        if sum(out) >= num_tenants:
+            break
+        out[i] += 1
+    return out
+
+
+def _mean(dist: Any, n: int = 20_000) -> float:
+    rng = random.Random(7)
+    return sum(dist.draw(rng) for _ in range(n)) / n
+
+
+def rate_per_worker(wl: Any, weights: list[float], step: Any, busy_slots: float) -> float:
+    """Requests per second per worker that keep `busy_slots` sequences running on
+    average (module docstring), with the classes' mean lengths weighted by traffic."""
+    total = sum(weights)
+    prompt = sum(w * _mean(c.prompt_tokens) for w, c in zip(weights, wl.classes, strict=True))
+    output = sum(w * _mean(c.output_tokens) for w, c in zip(weights, wl.classes, strict=True))
+    prompt, output = prompt / total, output / total
+    n = busy_slots
+    step_ms = step.step_ms(round(n), round(n * (prompt + output / 2)))
+    return 1000.0 * n / (output * step_ms + n * step.prefill_ms(round(prompt)))
+
+
+def build_workload(workers: int, tenants: int, duration_s: float, slots: int, load: float,
+                   seed: int) -> tuple[Any, dict[str, Any]]:
+    from fleetsim.workload import workload_from_dict
+    from gpu_worker.sim.step_model import load_step_model
+
+    doc = yaml.safe_load(TEMPLATE.read_text())
+    doc["duration_s"], doc["seed"] = duration_s, seed
+    template = workload_from_dict(copy.deepcopy(doc))
+    share = [c.process.expected(c.num_tenants, duration_s) for c in template.classes]
+    counts = scaled_counts([c.num_tenants for c in template.classes], tenants)
+    for c, n in zip(doc["classes"], counts, strict=True):
+        c["count"] = n
+        c["output_tokens"] = dict(OUTPUT)
+        c["max_tokens"] = OUTPUT["max"]
+    wl = workload_from_dict(copy.deepcopy(doc))
+    # Each class keeps its share of the traffic (a class rounded up to one tenant would
+    # otherwise weigh more), then one factor for the load: expected() is linear in rate.
+    have = [c.process.expected(c.num_tenants, duration_s) for c in wl.classes]
+    want_per_s = rate_per_worker(wl, share, load_step_model("default"), load * slots) * workers
+    factor = want_per_s * duration_s / sum(share)
+    for c, s, h in zip(doc["classes"], share, have, strict=True):
+        c["arrival"]["rate_per_s"] = c["arrival"]["rate_per_s"] * factor * s / h
+    wl = workload_from_dict(doc)
+    return wl, {"requests_per_s": wl.expected_requests() / duration_s,
+                "traffic_vs_scale_yaml": factor, "class_counts": counts}
+
+
+class _Stop(Exception):
+    pass
+
+
+def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float) -> dict:
+    from fleetsim.cli import tuned_gc
+    from fleetsim.fleet import Fleet, FleetSettings
+    from fleetsim.recorder import Recorder
+
+    wl, info = build_workload(workers, tenants, duration_s, a.slots, a.load, a.seed)
+    recorder = Recorder(wl.tenants, duration_s)
+    settings = FleetSettings(num_workers=workers, max_num_seqs=a.slots)
+    fleet = Fleet(wl.scheduler_config, wl.tenants, recorder, settings)
+    arrivals = wl.arrivals()
+    checkpoints: list[tuple[float, float, float, float]] = []  # sim s, wall s, cpu s, RSS MiB
+
+    def progress(t_s: float) -> None:
+        wall = time.perf_counter() - t0
+        checkpoints.append((t_s, wall, time.process_time() - c0,
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+        print(f"  {workers}x{tenants}: simulated {t_s:,.0f} s in {wall:,.1f} s wall",
+              file=sys.stderr, flush=True)
+        if t_s > 0 and wall > a.max_wall_s:
+            raise _Stop
+
+    stopped = False
+    with tuned_gc():  # as `fairlane simulate` runs
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            fleet.run(arrivals, duration_s, progress, progress_every_s=a.progress_s)
+            sim_s = duration_s
+        except _Stop:
+            stopped = True
+            sim_s = checkpoints[-1][0]
+        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary = recorder.summary()
+    samp = summary["samples"]
+    busy = [r for t, r in zip(samp["t_s"], samp["running"], strict=True) if WARMUP_S <= t <= sim_s]
+    pool = summary["pool"]
+    # The steady-state rate: from the first checkpoint past the warm-up to the end.
+    steady = next(((s, w) for s, w, _, _ in checkpoints if s >= WARMUP_S), None)
+    if steady is not None and sim_s > steady[0] and wall_s > steady[1]:
+        steady_rate = (sim_s - steady[0]) / (wall_s - steady[1])
+    else:
+        steady_rate = sim_s / wall_s
+    return {
+        "workers": workers, "tenants": tenants, "slots": a.slots, "load_target": a.load,
+        "duration_s": duration_s, "simulated_s": sim_s, "stopped_early": stopped,
+        "wall_s": round(wall_s, 2), "cpu_s": round(cpu_s, 2),
+        "sim_s_per_wall_s": sim_s / wall_s, "steady_sim_s_per_wall_s": steady_rate,
+        "hour_wall_s": HOUR_S / steady_rate if stopped or sim_s < HOUR_S else wall_s,
+        "hour_extrapolated": stopped or sim_s < HOUR_S,
+        "peak_rss_mib": round(peak_rss_mib, 1),
+        "arrivals": fleet.num_arrivals, "events": fleet.num_events,
+        "arrivals_per_wall_s": fleet.num_arrivals / wall_s,
+        "events_per_wall_s": fleet.num_events / wall_s,
+        "preemptions_ordered": fleet.num_preemptions,
+        "busy_fraction": (sum(busy) / len(busy) / (workers * a.slots)) if busy else None,
+        "finished": pool["finished"], "rejected": pool["rejected"],
+        "throughput_tok_s": pool["throughput_tok_s"],
+        "ttft_p50_s": pool["ttft_s"]["p50"], "ttft_p99_s": pool["ttft_s"]["p99"],
+        "checkpoints": checkpoints, **info,
+    }
+
+
+HOW_TO_READ = f"""\
+One row per scale: `workers x tenants`, {TEMPLATE.relative_to(ROOT)}'s traffic mix scaled
+to it (module docstring), outputs 128-384 tokens, preemption on (the pool's default),
+drr. *wall s* is `Fleet.run` alone (perf_counter); *cpu s* its process time (the
+machine's 2 cores are shared with other work: where wall and cpu differ, something else
+ran). *sim-s / wall-s* over the whole run, *steady* from {WARMUP_S:g} simulated s on (the
+empty fleet's first seconds are cheaper). *hour, wall* is the time one simulated hour
+takes: measured where the row ran the hour, else extrapolated from the steady rate
+(marked "extrapolated"). *busy* is mean running / slots after {WARMUP_S:g} s. Peak RSS
+is the child process's own (getrusage), with Python, numpy and the scheduler loaded."""
+
+
+def report(runs: list[dict]) -> str:
+    lines = ["| workers x tenants | simulated s | wall s | cpu s | sim-s / wall-s | steady "
+             "| hour, wall | peak RSS MiB | requests | req / wall-s | busy | TTFT p50 / p99 s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        hour = fmt_num(r["hour_wall_s"] / 60, 1) + " min"
+        if r["hour_extrapolated"]:
+            hour += " (extrapolated)"
+        ttft = f"{fmt_num(r['ttft_p50_s'], 3)} / {fmt_num(r['ttft_p99_s'], 3)}"
+        sim = fmt_num(r["simulated_s"], 0) + (" (stopped)" if r["stopped_early"] else "")
+        lines.append(
+            f"| {r['workers']:,} x {r['tenants']:,} | {sim} | {fmt_num(r['wall_s'])} "
+            f"| {fmt_num(r['cpu_s'])} | {fmt_num(r['sim_s_per_wall_s'], 2)} "
+            f"| {fmt_num(r['steady_sim_s_per_wall_s'], 2)} | {hour} | {fmt_num(r['peak_rss_mib'])} "
+            f"| {r['arrivals']:,} | {fmt_num(r['arrivals_per_wall_s'], 0)} "
+            f"| {fmt_num(100 * (r['busy_fraction'] or 0), 0)}% | {ttft} |")
+    lines += ["", "Peak RSS so far (MiB) along each run, at simulated s (flat = bounded):", ""]
+    for r in runs:
+        cps = r["checkpoints"]
+        picks = cps[:: max(1, len(cps) // 8)] + ([cps[-1]] if len(cps) % 8 else [])
+        marks = ", ".join(f"{c[0]:,.0f}: {c[3]:,.0f}" for c in dict.fromkeys(
+            tuple(c) for c in picks))
+        lines.append(f"- {r['workers']:,} x {r['tenants']:,}: {marks}")
+    big = [r for r in runs if r["workers"] >= 1000 and r["tenants"] >= 100_000]
+    if big:
+        r = big[-1]
+        verdict = "met" if r["hour_wall_s"] <= TARGET_WALL_S else "missed"
+        lines += ["", f"**Target (1,000 x 100,000 x one simulated hour in < 10 min): "
+                      f"{verdict}** — {fmt_num(r['hour_wall_s'] / 60, 1)} min"
+                      + (" (extrapolated)" if r["hour_extrapolated"] else "")
+                      + f", {fmt_num(r['hour_wall_s'] / TARGET_WALL_S, 1)}x the target."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scales", default="10x100,100x10000,1000x100000")
+    ap.add_argument("--duration-s", default="3600",
+                    help="simulated seconds: one number, or SCALE:SECONDS,... per scale")
+    ap.add_argument("--max-wall-s", type=float, default=900.0,
+                    help="stop a scale at the next checkpoint past this much wall time")
+    ap.add_argument("--progress-s", type=float, default=60.0, help="checkpoint every (sim s)")
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--load", type=float, default=0.8)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    default_s, per_scale = 3600.0, {}
+    for part in a.duration_s.split(","):
+        if ":" in part:
+            k, v = part.split(":")
+            per_scale[k.lower()] = float(v)
+        else:
+            default_s = float(part)
+    if a.child:
+        w, t = parse_scale(a.child)
+        print(json.dumps(child(a, w, t, per_scale.get(a.child.lower(), default_s))))
+        return
+    meta = RunMeta.here()
+    load0 = tuple(round(x, 2) for x in os.getloadavg())
+    runs = []
+    for scale in a.scales.split(","):
+        print(f"{scale} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", scale]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"{scale}: child failed ({out.returncode})")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    load1 = tuple(round(x, 2) for x in os.getloadavg())
+    body = report(runs) + f"\n\nLoad average before / after: {load0} / {load1}.\n"
+    md, js = write_results(a.out, TITLE, body, {"runs": runs, "load_avg": [load0, load1],
+                                                "args": vars(a) | {"out": str(a.out)}},
+                           meta, HOW_TO_READ)
+    print(body)
+    print(f"wrote {md} and {js}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The fleet simulator's records (`fleetsim.fleet`): settings, requests, workers, runs.
+
+Plain data, no behaviour beyond a run's step times, so that `fleet` holds the events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetsim.records import Arrival
+from gpu_worker.sim.batch import BatchCore, Seq
+
+
+@dataclass(slots=True)
+class FleetSettings:
+    """The fleet's shape and the product's timing knobs (their defaults)."""
+
+    num_workers: int = 2
+    step_model: str = "default"  # gpu_worker/sim/step_models/<name>.json or a path
+    max_num_seqs: int | None = None  # None: the step model's
+    kv_tokens_total: int | None = None  # None: the step model's
+    prefetch_seqs: int = 4  # gpu_worker --prefetch-seqs
+    pull_wait_ms: float = 1_000.0  # gpu_worker --pull-wait-ms
+    heartbeat_ms: float = 1_000.0  # gpu_worker --heartbeat-ms
+    worker_timeout_ms: float = 3_500.0  # dispatcher --worker-timeout-ms
+    housekeeping_ms: float = 200.0  # dispatcher --housekeeping-ms
+    network_ms: float = 0.5  # one NATS hop between dispatcher and worker
+    sample_every_s: float = 1.0
+    # Clients send `expected_output_tokens` = the length they will get (the benches do:
+    # the cost model then charges what is generated); else the core estimates from
+    # max_tokens, as for a client that gives no hint.
+    hint_output_tokens: bool = False
+    # Run whole runs of engine steps as one event when nothing can change the batch
+    # (exact: tests compare with False, which steps one at a time).
+    batch_runs: bool = True
+
+
+@dataclass(slots=True)
+class Req:
+    """A request's life in the simulation (the QueuedRequest's payload)."""
+
+    arrival: Arrival
+    tenant: str
+    num_generated: int = 0  # tokens its client has (continuations start here)
+    first_token_ms: float | None = None
+    preemptions: int = 0
+    started: bool = False  # this attempt's first token went out (the message's ack)
+    # Tokens are reported per sequence when it leaves the batch (or is preempted):
+    # those after `tok_out`, spread over [tok_ms, then].
+    tok_ms: float = 0.0
+    tok_out: int = 0
+
+
+@dataclass(slots=True)
+class Run:
+    """Steps in progress on a worker, applied to its core when they end or are cut:
+    step j (1..k) ends at `end_of(j)` (`BatchCore.run_coeffs`: a + b*i ms for step i
+    from 0, plus the prefill in the first)."""
+
+    start_ms: float
+    k: int
+    a_ms: float
+    b_ms: float
+    pre_ms: float
+    prefill_tokens: int
+    step_ms: float  # a one-step run's duration
+    admitted: list[Seq]  # admitted by its schedule (then k == 1): their first tokens
+    version: int
+
+    def end_of(self, j: int) -> float:
+        if not j:
+            return self.start_ms
+        return self.start_ms + (self.pre_ms + self.a_ms * j + self.b_ms * (j * (j - 1) / 2))
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """One simulated worker: its engine and what it accepted."""
+
+    worker_id: str
+    core: BatchCore
+    seqs: dict[str, Seq] = field(default_factory=dict)  # accepted, not ended
+    pulling: bool = False
+    run: Run | None = None
+    version: int = 0  # bumps when a run is cut: its end event is stale
