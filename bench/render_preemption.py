@@ -165,18 +165,19 @@ def targets_table(res: Results, args: list[str], _old: str) -> str:
 ISOLATION, FULL = "preemption_isolation", "preemption"
 
 
-def _isolation_row(res: Results, scen: str, claim: str) -> tuple[list[str], list[str]]:
-    recs, _ = _run(res, ISOLATION)
+def _isolation_row(res: Results, scen: str, claim: str,
+                   stem: str = ISOLATION) -> tuple[list[str], list[str]]:
+    recs, _ = _run(res, stem)
     stats = _stats(recs, scen)
     st = stats.get(PV)
     if st is None:
-        raise RenderError(f"{ISOLATION}.json has no {scen} scenario for {PV}")
+        raise RenderError(f"{stem}.json has no {scen} scenario for {PV}")
     n = sorted(set(st["n_samples"]))
     per_rep = f"{n[0]}" if len(n) == 1 else f"{n[0]}–{n[-1]}"
     measured = (f"**{_ratio_txt(st)}** (drr {_ratio_median(stats.get('drr'))}), "
                 f"{len(st['ratios'])} interleaved reps, {per_rep} probes per rep")
     target = f"≤ {TARGET_RATIO:g}× — {verdict(median(st['ratios']), TARGET_RATIO)}"
-    return [claim, measured, target], [ISOLATION]
+    return [claim, measured, target], [stem]
 
 
 def summary_isolation_tier(res: Results) -> list[str]:
@@ -195,6 +196,26 @@ def summary_isolation_light(res: Results) -> list[str]:
         row[1] += (f"; B probing at its whole share ({FULL}.json): {_ratio_median(noisy[PV])}"
                    f" (drr {_ratio_median(noisy.get('drr'))})")
     return row + [row_source(res, ISOLATION) + ", " + row_source(res, FULL)]
+
+
+def summary_full_tier(res: Results) -> list[str]:
+    """The tier-reclaim row from the full three-variant run (`preemption.json`)."""
+    row, _ = _isolation_row(res, "tier", "§6 realistic lengths, tier reclaim: enterprise p99 "
+                            "during a free-tier burst ÷ alone, drr+preemption (drr)", FULL)
+    return row + [row_source(res, FULL)]
+
+
+def summary_full_light(res: Results) -> list[str]:
+    """The light-neighbour row (and B's) from the full run (`preemption.json`)."""
+    _, args = _run(res, FULL)
+    lo, hi = (list(vars(args).get("light_out") or []) + ["?", "?"])[:2]
+    row, _ = _isolation_row(res, "light", f"§6 light neighbour ({lo}–{hi}-token probes) behind "
+                            f"a {vars(args).get('burst', 0):,} burst, drr+preemption (drr)", FULL)
+    noisy = _stats(_run(res, FULL)[0], "noisy")
+    if PV in noisy:
+        row[1] += (f"; B probing at its whole share: {_ratio_median(noisy[PV])}"
+                   f" (drr {_ratio_median(noisy.get('drr'))})")
+    return row + [row_source(res, FULL)]
 
 
 def summary_backlogged(res: Results) -> list[str]:
@@ -216,4 +237,5 @@ def summary_backlogged(res: Results) -> list[str]:
 KINDS = {"preemption-isolation": isolation_table, "preemption-targets": targets_table}
 SUMMARY_ROWS = {"isolation-tier": summary_isolation_tier,
                 "isolation-light": summary_isolation_light,
+                "full-tier": summary_full_tier, "full-light": summary_full_light,
                 "preemption-backlogged": summary_backlogged}
