@@ -84,8 +84,14 @@ class Run:
 
         pre = PreemptionConfig(enabled=self.variant == "drr+preempt")
         self.dispatcher = Dispatcher(
+            # Generous lease and worker timeouts: dispatcher, worker, client and vLLM's
+            # output handling share this process's event loop, which A's burst can
+            # stall for over a second; with the defaults (3 s lease, 3.5 s worker
+            # timeout) a stall fenced the only dispatcher and lost a repetition. Nothing
+            # here fails over, so the timeouts change no measured path.
             DispatcherSettings(nats_url=self.nats_url, prefix=self.subjects.prefix, pool=POOL,
-                               max_tokens=MAX_MODEL_LEN, log_json=False),
+                               max_tokens=MAX_MODEL_LEN, log_json=False,
+                               leader_lease_ttl_s=30.0, worker_timeout_ms=30_000),
             # The quantum is one typical request's cost (prompt + 2 x output tokens, the
             # `tokens` model), as in bench/preemption.py: with the default quantum (1.0,
             # meant for `requests` cost) a quiet tenant's turn rarely fits its request
@@ -224,7 +230,9 @@ def report(records, args, wall_s: float) -> str:
         "## Setup\n",
         f"- one vLLM-CPU engine (tiny Llama, fp32, eager, prefix caching on), "
         f"`max_num_seqs` {args.max_num_seqs}, worker prefetch 4; dispatcher + worker + "
-        f"client in one process, a fresh dispatcher and worker per (variant, repetition)",
+        f"client in one process (one event loop, with vLLM's output handling: its stalls "
+        f"are in every TTFT here; lease 30 s, worker timeout 30 s), a fresh dispatcher "
+        f"and worker per (variant, repetition)",
         f"- A: {args.burst} requests × {args.a_tokens} output tokens (greedy; the tiny "
         f"model has no EOS, so exactly that many), {PROMPT_TOKENS}-token prompts; B: one "
         f"request every {args.probe_interval_s * 1000:g} ms × {args.b_tokens} output tokens "
