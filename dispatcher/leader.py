@@ -233,13 +233,14 @@ class LeaderLease:
 def pool_lease(js: object, prefix: str, pool: str, ttl_s: float,
                on_lose: Callable[[], Awaitable[None]], replicas: int = 1) -> LeaderLease:
     """The lease of one pool: bucket `<prefix>_leader`, key = pool, value =
-    host:pid:nonce (the nonce tells two dispatchers of one process apart: a renewal
-    whose reply was lost is recognised as ours by the value, `_still_ours`)."""
+    host:nonce:pid (the pid stays last, where operators and tools read it; the nonce
+    tells two dispatchers of one process apart: a renewal whose reply was lost is
+    recognised as ours by the value, `_still_ours`, never a neighbour's)."""
 
     async def no_op(epoch: int) -> None:
         return None
 
     return LeaderLease(js, bucket=f"{prefix}_leader", key=pool,
-                       holder=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+                       holder=f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}:{os.getpid()}",
                        ttl_s=ttl_s,
                        on_lead=no_op, on_lose=on_lose, replicas=replicas)

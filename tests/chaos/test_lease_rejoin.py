@@ -35,7 +35,7 @@ async def test_leader_cut_off_past_its_lease_leads_again_without_a_restart(tmp_p
             try:
                 kv = kv or await nc.jetstream().key_value(f"{subjects.prefix}_leader")
                 entry = await kv.get("p")
-                return int(entry.value.decode().split(":")[1])  # host:pid:nonce
+                return int(entry.value.decode().rsplit(":", 1)[1])  # host:nonce:pid
             except Exception:
                 return None
 
