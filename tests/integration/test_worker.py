@@ -193,13 +193,6 @@ async def worker_running(nats_server, uid: str, **overrides):
             await asyncio.wait_for(task, 15)
 
 
-@pytest.fixture
-async def dispatcher(nc, uid):
-    d = await FakeDispatcher(nc, Subjects(f"t{uid}")).start()
-    yield d
-    await d.stop()
-
-
 async def test_streams_chunks_events_and_usage(nats_server, nc, uid, dispatcher):
     subjects = dispatcher.subjects
     async with worker_running(nats_server, uid) as (worker, _engine, _stop, _task):

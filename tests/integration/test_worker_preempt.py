@@ -14,24 +14,15 @@ import pytest
 from nats.aio.msg import Msg
 
 from fairlane.protocol import Preempt, Preempted, Started, encode
-from fairlane.subjects import Subjects
 from gpu_worker.sim.batch import SeqState
 from tests.integration.test_worker import (
     POOL,
-    FakeDispatcher,
     assert_ordered,
     work_item,
     worker_running,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-async def dispatcher(nc, uid):
-    d = await FakeDispatcher(nc, Subjects(f"t{uid}")).start()
-    yield d
-    await d.stop()
 
 
 async def test_preempt_frees_the_slot_and_admits_the_replacement_in_its_handler(
