@@ -32,10 +32,8 @@ import argparse
 import copy
 import json
 import math
-import os
 import random
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RunMeta, fmt_num, write_results  # noqa: E402
+from bench.harness import RunMeta, fmt_num, run_children, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "simulate_scale.md"
@@ -259,17 +257,7 @@ def main() -> None:
         print(json.dumps(child(a, w, t, per_scale.get(a.child.lower(), default_s))))
         return
     meta = RunMeta.here()
-    load0 = tuple(round(x, 2) for x in os.getloadavg())
-    runs = []
-    for scale in a.scales.split(","):
-        print(f"{scale} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", scale]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
-        if out.returncode != 0:
-            raise SystemExit(f"{scale}: child failed ({out.returncode})")
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    load1 = tuple(round(x, 2) for x in os.getloadavg())
+    runs, (load0, load1) = run_children(__file__, a.scales.split(","))
     body = report(runs) + f"\n\nLoad average before / after: {load0} / {load1}.\n"
     md, js = write_results(a.out, TITLE, body, {"runs": runs, "load_avg": [load0, load1],
                                                 "args": vars(a) | {"out": str(a.out)}},

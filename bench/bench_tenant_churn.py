@@ -48,8 +48,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from collections import deque
@@ -58,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RunMeta, fmt_num, summarize, write_results  # noqa: E402
+from bench.harness import RunMeta, fmt_num, run_children, summarize, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "tenant_churn.md"
@@ -407,18 +405,7 @@ def main() -> None:
         print(json.dumps(child(a.child, a)))
         return
     meta = RunMeta.here()
-    load0 = tuple(round(x, 2) for x in os.getloadavg())
-    runs = []
-    for policy in a.policies.split(","):
-        print(f"{policy} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", policy]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        sys.stderr.write(out.stderr)
-        if out.returncode != 0:
-            raise SystemExit(f"{policy}: child failed ({out.returncode})")
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    load1 = tuple(round(x, 2) for x in os.getloadavg())
+    runs, (load0, load1) = run_children(__file__, a.policies.split(","))
     body = report(runs, a, (load0, load1))
     md, js = write_results(a.out, TITLE, body, {"runs": runs, "load_avg": [load0, load1],
                                                 "args": vars(a) | {"out": str(a.out)}},

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -279,3 +280,21 @@ def write_results(md_path: Path, title: str, body: str, data: Any, meta: RunMeta
     js.write_text(json.dumps({"meta": _jsonable(meta), "data": _jsonable(data)}, indent=1,
                              sort_keys=False) + "\n")
     return md_path, js
+
+
+def run_children(script: str, items: Sequence[str]) -> tuple[list[dict], list[tuple]]:
+    """Run `script` once per item as ``script <this process's argv> --child ITEM`` in a
+    process of its own (its memory and GC start fresh; peak RSS is its own), each
+    printing its result as JSON on its last stdout line. Returns the results and the
+    machine's load average before and after, for the results file."""
+    load0 = tuple(round(x, 2) for x in os.getloadavg())
+    runs = []
+    for item in items:
+        print(f"{item} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, script, *sys.argv[1:], "--child", item]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"{item}: child failed ({out.returncode})")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs, [load0, tuple(round(x, 2) for x in os.getloadavg())]
