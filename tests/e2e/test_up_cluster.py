@@ -48,7 +48,7 @@ async def test_up_with_a_3_node_cluster_survives_the_stream_leader_dying(tmp_pat
         client = await FairlaneClient.connect(
             ",".join(urls), tenant="acme", user="acme",
             password=(creds / "acme.password").read_text().strip())
-        first = await (await client.submit(spec(tenant="acme", prompt="hi", max_tokens=4))).collect()
+        first = await (await client.submit(spec(tenant="acme", prompt="hi", max_tokens=4, expected_output_tokens=4))).collect()
         assert first.usage.completion_tokens == 4
 
         leader = info.cluster.leader
@@ -59,7 +59,7 @@ async def test_up_with_a_3_node_cluster_survives_the_stream_leader_dying(tmp_pat
         # A new stream leader is elected; the library re-sends the publish that found
         # none meanwhile, and clients and services fail over to live nodes.
         t0 = time.monotonic()
-        stream = await client.submit(spec(tenant="acme", prompt="hi", max_tokens=4))
+        stream = await client.submit(spec(tenant="acme", prompt="hi", max_tokens=4, expected_output_tokens=4))
         again = await asyncio.wait_for(stream.collect(), 30)
         assert again.usage.completion_tokens == 4
         assert time.monotonic() - t0 < 20
