@@ -166,16 +166,18 @@ class Worker(RequestServing):
         self._draining = True
         self._drain_event.set()
         self._slot_event.set()
+        # Unstarted work goes back first: waiting for the long-poll below can take
+        # pull_wait_ms, and meanwhile the engine would start what it had queued.
+        for r in list(self._reqs.values()):
+            if not r.started:
+                r.requeue_reason = "draining"
+                r.signal()
         await self._heartbeat(timeout_s=0.3)  # stop may be due to NATS being gone
         # An outstanding long-poll may still bring items; they are handed back on arrival.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
                 asyncio.shield(pull_task), (self.s.pull_wait_ms + PULL_TIMEOUT_MARGIN_MS) / 1000
             )
-        for r in list(self._reqs.values()):
-            if not r.started:
-                r.requeue_reason = "draining"
-                r.signal()
         tasks = [r.task for r in self._reqs.values() if r.task is not None]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self.s.drain_timeout_s)
