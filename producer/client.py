@@ -69,6 +69,9 @@ __all__ = ["Completion", "FairlaneClient", "RequestError", "RequestSpec", "Reque
 
 log = structlog.get_logger(__name__)
 
+# Pauses before asking a pool's dispatcher again after "no responders" (a takeover).
+INFO_NO_RESPONDERS_RETRY_S = (0.05, 0.2)
+
 
 class FairlaneClient(SilenceWatch):
     """Submits requests and relays their tokens. Safe for many concurrent requests."""
@@ -280,12 +283,21 @@ class FairlaneClient(SilenceWatch):
         if hit is not None and hit[0] > now:
             return hit[1]
         info: PoolInfo | None = None
-        try:
-            msg = await self.nc.request(
-                self.subjects.info(pool), encode(PoolInfoRequest(tenant=tenant)), timeout=1.0)
-            info = decode_pool_info(msg.data)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, ProtocolError):
-            info = None
+        ask = encode(PoolInfoRequest(tenant=tenant))
+        for retry_s in (*INFO_NO_RESPONDERS_RETRY_S, None):
+            try:
+                msg = await self.nc.request(self.subjects.info(pool), ask, timeout=1.0)
+                info = decode_pool_info(msg.data)
+            except nats.errors.NoRespondersError:
+                # Right after a leader takeover "no responders" can come back for a
+                # moment (seen in CI just after the new leader flushed its
+                # subscriptions): ask again briefly before calling the pool unserved.
+                if retry_s is not None:
+                    await asyncio.sleep(retry_s)
+                    continue
+            except (nats.errors.TimeoutError, ProtocolError):
+                pass
+            break
         self._info[key] = (now + (self.info_ttl_s if info else 1.0), info)
         return info
 

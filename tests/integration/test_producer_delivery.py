@@ -93,6 +93,24 @@ async def test_silent_stream_with_no_dispatcher_ends_with_stream_lost(nc, uid):
         await client.close()
 
 
+async def test_no_tier_and_no_dispatcher_is_refused_promptly_as_overloaded(nc, uid):
+    # The tier comes from the pool's dispatcher; with none answering the submit is
+    # refused (retryable) after a brief re-ask, never left waiting.
+    subjects = Subjects(f"t{uid}")
+    client = FairlaneClient(nc, prefix=subjects.prefix)
+    await client.start()
+    try:
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(RequestError) as err:
+            await client.submit(spec(tenant="acme", pool="nobody", prompt="hi", max_tokens=4))
+        assert err.value.code is ErrorCode.OVERLOADED and err.value.retryable
+        assert "no dispatcher answers for pool 'nobody'" in err.value.message
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+        assert client.num_open_streams == 0
+    finally:
+        await client.close()
+
+
 async def test_retry_with_same_id_after_worker_lost_is_served(fleet, nc):
     client, subjects = fleet
     # The caller's own retry (migration, which resumes by itself, is turned off here:
