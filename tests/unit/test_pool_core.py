@@ -406,3 +406,19 @@ def test_a_new_request_is_decided_at_once_despite_a_recent_empty_decision():
     assert core.preemptions(100, 0) == []  # a's own queue: nothing to do; pause 20 ms
     core.submit(_req("b1", tenant="b"), 105)
     assert any(isinstance(a, Preempt) for a in core.preemptions(105, 0))
+
+
+def test_a_backlogged_tenants_new_request_does_not_undo_the_recheck_pause():
+    """Only a tenant with nothing queued is a new waiter: another request of a tenant
+    already waiting leaves the pause alone (each such arrival used to force a fresh
+    O(tenants) decision in an overloaded pool), and the recheck still comes."""
+    from dispatcher.scheduler.actions import Preempt
+    core, running = _flooded_worker()
+    core.on_heartbeat("w1", running, 100, interval_ms=1_000)
+    assert core.preemptions(100, 0) == []  # a's own queue: nothing to do; pause 20 ms
+    pre = core.scheduler.preemptor
+    paused_until_ms = pre._idle_until_ms
+    core.submit(_req("a9", tenant="a"), 105)  # a had 2 queued: not a new waiter
+    assert pre._idle_until_ms == paused_until_ms
+    core.submit(_req("b1", tenant="b"), 106)  # b had nothing queued: decided at once
+    assert any(isinstance(a, Preempt) for a in core.preemptions(106, 0))
