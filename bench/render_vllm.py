@@ -1,0 +1,90 @@
+"""BENCHMARKS.md's real-engine table (section 3) and Summary rows, rendered from the JSON
+bench/bench_vllm.py writes ({"meta", "data": {"setup", "warmup", "records": [RunRecord,
+...]}}). The figures are bench/bench_vllm_report.py's, the ones the bench's own
+markdown prints: per (variant, load) median (min–max) over repetitions, tails pooled
+(a p99 only from >= 200 samples), fleet ÷ direct paired per repetition."""
+
+from __future__ import annotations
+
+from bench.bench_vllm_report import (
+    TARGET_THROUGHPUT_RATIO,
+    figure_lines,
+    fmt_ratio,
+    fmt_signed,
+    fmt_tail_overhead,
+    num_reps,
+    overheads_ms,
+    pairs_txt,
+    setup_lines,
+    throughput_ratios,
+    ttft_p50_ratios,
+    variant_table,
+    variants_in,
+)
+from bench.harness import RunRecord, verdict
+from bench.render_common import RenderError, Results, median, row_source, sources_line
+
+STEM = "vllm"
+
+
+def _run(res: Results, stem: str) -> tuple[list[RunRecord], dict]:
+    """The measured records (warm-up left out) and the run's setup."""
+    data = res.load(stem).get("data", {})
+    records = [RunRecord(**r) for r in data.get("records", [])]
+    if not any(r.error is None for r in records):
+        raise RenderError(f"{stem}.json has no successful run")
+    return records, data.get("setup", {})
+
+
+def vllm_table(res: Results, args: list[str], _old: str) -> str:
+    """`<!-- generated: vllm STEM -->`: the setup, the per-variant table and the paired
+    comparisons of one bench/bench_vllm.py run."""
+    if len(args) != 1:
+        raise RenderError("vllm takes one results file")
+    records, setup = _run(res, args[0])
+    return "\n".join([sources_line(res, args), "", *setup_lines(setup), "",
+                      variant_table(records), "", *figure_lines(records)])
+
+
+def _need(records: list[RunRecord], *variants: str) -> None:
+    missing = [v for v in variants if v not in variants_in(records)]
+    if missing:
+        raise RenderError(f"{STEM}.json has no successful run of {missing}")
+
+
+def summary_throughput(res: Results) -> list[str]:
+    records, setup = _run(res, STEM)
+    _need(records, "direct", "fleet")
+    thr = throughput_ratios(records)
+    bound = setup.get("direct_bound") or "no"
+    return [f"§3 output tokens/s through fairlane ÷ the same vLLM engine fed directly "
+            f"(direct bounded to {bound} requests in the engine, the worker's bound)",
+            f"**{fmt_ratio(thr)}** over {pairs_txt(len(thr), num_reps(records))}",
+            f"≥ {TARGET_THROUGHPUT_RATIO:g} — "
+            f"{verdict(median(thr), TARGET_THROUGHPUT_RATIO, higher_is_better=True)}",
+            row_source(res, STEM)]
+
+
+def summary_ttft(res: Results) -> list[str]:
+    records, _ = _run(res, STEM)
+    _need(records, "direct", "fleet")
+    return ["§3 TTFT overhead at light load on vLLM (fleet − direct)",
+            f"p50 {fmt_signed(overheads_ms(records))} per rep; {fmt_tail_overhead(records)}",
+            "—", row_source(res, STEM)]
+
+
+def summary_sim(res: Results) -> list[str]:
+    records, _ = _run(res, STEM)
+    _need(records, "direct", "sim-direct")
+    parts = [f"direct: tok/s {fmt_ratio(throughput_ratios(records, 'sim-direct', 'direct'))}, "
+             f"TTFT p50 {fmt_ratio(ttft_p50_ratios(records, 'sim-direct', 'direct'))}"]
+    if {"fleet", "sim-fleet"} <= set(variants_in(records)):
+        parts.append(f"fleet: tok/s {fmt_ratio(throughput_ratios(records, 'sim-fleet', 'fleet'))}"
+                     f", TTFT p50 {fmt_ratio(ttft_p50_ratios(records, 'sim-fleet', 'fleet'))}")
+    return ["§3 simulator (`vllm_cpu_tiny`) ÷ vLLM-CPU, same workload, loaded",
+            "; ".join(parts), "faithful", row_source(res, STEM)]
+
+
+KINDS = {"vllm": vllm_table}
+SUMMARY_ROWS = {"vllm-throughput": summary_throughput, "vllm-ttft": summary_ttft,
+                "vllm-sim": summary_sim}
