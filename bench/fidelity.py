@@ -1,0 +1,466 @@
+"""Simulator fidelity (issue 12, item 5): `python bench/fidelity.py [--quick]`.
+
+The same arrivals through the fleet simulator and through the real fleet, compared:
+TTFT p50 and p99, output tokens/s and end-to-end p50 per traffic class, target within
+10% (Vidur reports < 9% for single-tenant vLLM).
+
+- **Arrivals**: a fleetsim workload file's `Workload.arrivals()` with seed = the
+  repetition: the same times, tenants, tiers, prompt lengths, output lengths and
+  max_tokens for both variants.
+- **sim**: `fleetsim.fleet.Fleet` in-process (the production `PoolCore` over N
+  `BatchCore` engines in virtual time), clients hinting the output length
+  (`hint_output_tokens`).
+- **real**: a loopback nats-server, a dispatcher and N `python -m gpu_worker --engine sim
+  --time-scale 1.0` processes (`bench.fleet`), the same step model, slots and prefetch;
+  a load generator in this process submits each arrival at its time with the producer
+  library (a prompt of 4 characters per token: the worker's estimate; the output length
+  as `expected_output_tokens`, which the simulator engine generates exactly) and times
+  every stream on the client's monotonic clock (`bench/fidelity_real.py`).
+- **Measurement window**: requests ARRIVING in [warmup_s, duration_s) count, in both;
+  throughput is the output tokens generated inside that window ÷ its length. After the
+  last arrival both keep running `drain_s` for the window's requests to finish; a
+  request without its first token by then is censored (counted, not timed).
+- **The simulator's one free parameter**, `network_ms` (every dispatcher<->worker
+  message's latency), is measured before the scenarios, not fitted to them: the idle
+  real fleet's TTFT p50 (sequential 16-token probes) minus the simulator's on the same
+  probes with network_ms 0 (one message lies on an idle fleet's first-token path).
+  That lumps the whole client/JetStream leg, which fleetsim does not model, into one
+  hop; `--network-ms` sets it instead.
+- Variants interleaved per scenario, the order reversed every other repetition
+  (`bench.harness.run_interleaved`); errors are (sim - real) / real per repetition,
+  reported as median (min-max) over repetitions (`bench/render_fidelity.py`).
+
+Scenarios (bench/workloads/fidelity_*.yaml, written for 2 workers; their loads scale
+with `--workers`): `steady` (4 tenants in 2 tiers, Poisson, prompts 32-512, outputs
+128-384, ~70% of the slots busy) and `light` (bench/workloads/noisy_neighbor.yaml
+scaled down: a 1,200-request burst per 2 workers and a 10/s prober with 16-48-token
+outputs).
+
+Scale: 4 workers x 32 slots by default, the largest this 2-core machine held with
+headroom (measured with --quick --workers 2..16): the fleet takes ~0.1 core per
+worker and the load generator ~0.05 (it reads every token chunk); from 6 workers on,
+with the machine shared with other jobs, the light scenario's burst left the client
+seconds behind (generator lag up to 2.5 s, which a client-side TTFT includes), at 12
+workers the steady TTFT p99 doubled, at 16 the real fleet fell behind its arrivals.
+
+Writes bench/results/fidelity.{md,json} (`--out-dir`). Runtime on the 2-core dev VM:
+full (5 reps) ~14 min, `--quick` (1 rep, 30 s scenarios) ~2 min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fidelity_real import LIVE_FLEETS, idle_ttft_ms, run_real  # noqa: E402
+from bench.fleet import WorkerSpec  # noqa: E402
+from bench.harness import RunMeta, p99, run_interleaved, write_results  # noqa: E402
+from bench.render_fidelity import HOW_TO_READ, REAL, SIM, report  # noqa: E402
+from fairlane.embedded import NatsServer  # noqa: E402
+from fleetsim.cli import tuned_gc  # noqa: E402
+from fleetsim.fleet import Fleet, FleetSettings  # noqa: E402
+from fleetsim.records import Arrival  # noqa: E402
+from fleetsim.workload import Workload, load_workload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_WORKERS = 2  # the fleet size the workload files' rates are written for
+DEFAULT_WORKERS = 4  # the largest fleet this machine holds (see the docstring)
+TITLE = "Simulator fidelity: fleetsim vs the real fleet on the same arrivals"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    workload: str  # relative to the repository
+    warmup_s: float  # arrivals before this are not measured (both variants)
+    duration_s: float  # arrivals stop here: the window is [warmup_s, duration_s)
+    drain_s: float  # after the last arrival, how long the window's requests may finish
+    scaled_classes: tuple[str, ...]  # classes whose load scales with workers / 2
+
+
+SCENARIOS = {
+    "steady": Scenario("steady", "bench/workloads/fidelity_steady.yaml", 10.0, 70.0, 15.0,
+                       ("ent", "chat", "batch")),
+    # The burst's first wave starts together and ends together: 12 s lets slots turn
+    # over steadily before measuring (as bench/preemption.py's turnover_s).
+    "light": Scenario("light", "bench/workloads/fidelity_light.yaml", 12.0, 60.0, 5.0,
+                      ("noisy",)),
+}
+QUICK_DURATION_S = 30.0
+
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+def scaled_doc(doc: dict, classes: tuple[str, ...], factor: float) -> dict:
+    """The workload document with the named classes' load times `factor` (a Poisson
+    rate, a burst's count): the same utilisation on a different fleet size."""
+    out = {**doc, "classes": [dict(c) for c in doc["classes"]]}
+    for c in out["classes"]:
+        if c["name"] not in classes or factor == 1:
+            continue
+        arrival = dict(c["arrival"])
+        if "rate_per_s" in arrival:
+            arrival["rate_per_s"] = arrival["rate_per_s"] * factor
+        if "count" in arrival:
+            arrival["count"] = max(1, round(arrival["count"] * factor))
+        c["arrival"] = arrival
+    return out
+
+
+def load_scenario(s: Scenario, workers: int, seed: int) -> tuple[Workload, dict]:
+    """(the workload, its scaled document); arrivals stop at the scenario's duration."""
+    raw = yaml.safe_load((ROOT / s.workload).read_text(encoding="utf-8"))
+    doc = scaled_doc(raw, s.scaled_classes, workers / REFERENCE_WORKERS)
+    doc["duration_s"] = s.duration_s
+    doc["seed"] = seed
+    wl = load_workload(doc)
+    return wl, doc
+
+
+def class_of_tenants(wl: Workload) -> list[str]:
+    """Tenant index -> its traffic class's name."""
+    out: list[str] = []
+    for c in wl.classes:
+        out += [c.name] * c.num_tenants
+    return out
+
+
+# --- observations (pure) ----------------------------------------------------------------------
+
+
+@dataclass
+class Observations:
+    """What one run (sim or real) saw, in seconds from the workload's t = 0. Only
+    requests ARRIVING inside [lo_s, hi_s) are timed, and only tokens generated inside
+    it counted: the warm-up is dropped the same way in both variants."""
+
+    lo_s: float
+    hi_s: float
+    arrived: dict[str, int] = field(default_factory=dict)
+    ttft_s: dict[str, list[float]] = field(default_factory=dict)
+    e2e_s: dict[str, list[float]] = field(default_factory=dict)
+    tpot_s: dict[str, list[float]] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)
+
+    def in_window(self, t_s: float) -> bool:
+        return self.lo_s <= t_s < self.hi_s
+
+    def arrival(self, cls: str, arrival_s: float) -> None:
+        if self.in_window(arrival_s):
+            self.arrived[cls] = self.arrived.get(cls, 0) + 1
+
+    def first_token(self, cls: str, arrival_s: float, ttft_s: float) -> None:
+        if self.in_window(arrival_s):
+            self.ttft_s.setdefault(cls, []).append(ttft_s)
+
+    def finished(self, cls: str, arrival_s: float, e2e_s: float, ttft_s: float,
+                 num_tokens: int) -> None:
+        if self.in_window(arrival_s):
+            self.e2e_s.setdefault(cls, []).append(e2e_s)
+            if num_tokens > 1:  # TPOT: the decode pace after the first token
+                self.tpot_s.setdefault(cls, []).append((e2e_s - ttft_s) / (num_tokens - 1))
+
+    def generated(self, cls: str, start_s: float, end_s: float, num_tokens: float) -> None:
+        """`num_tokens` generated evenly over [start_s, end_s] (one instant for a real
+        chunk): the part inside the window counts."""
+        if end_s <= start_s:
+            inside = num_tokens if self.in_window(start_s) else 0.0
+        else:
+            overlap_s = min(end_s, self.hi_s) - max(start_s, self.lo_s)
+            inside = num_tokens * max(0.0, overlap_s) / (end_s - start_s)
+        if inside:
+            self.tokens[cls] = self.tokens.get(cls, 0.0) + inside
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else round(x * 1000, 3)
+
+
+def metrics_of(arrived: int, ttft_s: list[float], e2e_s: list[float], tpot_s: list[float],
+               tokens: float, window_s: float) -> dict[str, Any]:
+    """One class's numbers for one run. p99 only from >= 200 TTFTs (bench.harness.p99),
+    else None and the max stands in (render_fidelity.tail_label)."""
+    return {
+        "n_arrived": arrived, "n_ttft": len(ttft_s), "n_e2e": len(e2e_s),
+        "censored": arrived - len(ttft_s),
+        "ttft_p50_ms": _ms(_median(ttft_s)), "ttft_p99_ms": _ms(p99(ttft_s)),
+        "ttft_max_ms": _ms(max(ttft_s)) if ttft_s else None,
+        "e2e_p50_ms": _ms(_median(e2e_s)), "tpot_p50_ms": _ms(_median(tpot_s)),
+        "tokens_per_s": round(tokens / window_s, 2) if window_s > 0 else None,
+    }
+
+
+def class_metrics(obs: Observations, classes: list[str]) -> dict[str, dict[str, Any]]:
+    """Every class's metrics, and the scenario's as a whole under "all"."""
+    window_s = obs.hi_s - obs.lo_s
+    out = {c: metrics_of(obs.arrived.get(c, 0), obs.ttft_s.get(c, []), obs.e2e_s.get(c, []),
+                         obs.tpot_s.get(c, []), obs.tokens.get(c, 0.0), window_s)
+           for c in classes}
+
+    def merged(d: dict[str, list[float]]) -> list[float]:
+        return [x for c in classes for x in d.get(c, [])]
+
+    out["all"] = metrics_of(sum(obs.arrived.values()), merged(obs.ttft_s), merged(obs.e2e_s),
+                            merged(obs.tpot_s), sum(obs.tokens.values()), window_s)
+    return out
+
+
+def network_ms_from(real_idle_ttft_ms: list[float], sim_idle_ttft_ms: list[float]) -> float:
+    """The simulator's per-message latency that makes its idle first token as late as
+    the real fleet's: the p50 difference (one message lies on that path), >= 0."""
+    if not real_idle_ttft_ms or not sim_idle_ttft_ms:
+        raise ValueError("need idle TTFTs from both")
+    diff = statistics.median(real_idle_ttft_ms) - statistics.median(sim_idle_ttft_ms)
+    return round(max(0.0, diff), 2)
+
+
+def idle_probes(n: int, gap_s: float = 0.3, prompt_tokens: int = 32,
+                output_tokens: int = 16) -> list[Arrival]:
+    """Sequential probes of the idle fleet (for `network_ms`), tenant index 0."""
+    return [Arrival(0.5 + gap_s * i, 0, prompt_tokens, output_tokens, output_tokens)
+            for i in range(n)]
+
+
+# --- the simulator ------------------------------------------------------------------------------
+
+
+class ObservingSink:
+    """fleetsim's `Sink`, feeding `Observations` per class (and the busy slots)."""
+
+    def __init__(self, obs: Observations, class_of: list[str]) -> None:
+        self.obs, self.class_of = obs, class_of
+        self.busy_slots: list[int] = []
+        self.num_rejected = 0
+
+    def on_rejected(self, tenant: int, t_s: float, code: str) -> None:
+        self.num_rejected += 1
+
+    def on_first_token(self, tenant: int, t_s: float, ttft_s: float) -> None:
+        self.obs.first_token(self.class_of[tenant], t_s - ttft_s, ttft_s)
+
+    def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
+                    output_tokens: int, preemptions: int) -> None:
+        self.obs.finished(self.class_of[tenant], t_s - e2e_s, e2e_s, ttft_s, output_tokens)
+
+    def on_tokens(self, tenant: int, start_s: float, end_s: float, num_tokens: int) -> None:
+        self.obs.generated(self.class_of[tenant], start_s, end_s, num_tokens)
+
+    def on_preempted(self, tenant: int, t_s: float, recomputed_tokens: int) -> None:
+        pass
+
+    def sample(self, t_s: float, queued_by_tier: list[int], running: int,
+               busy_workers: int) -> None:
+        if self.obs.in_window(t_s):
+            self.busy_slots.append(running)
+
+
+def run_sim(wl: Workload, arrivals: list[Arrival], obs: Observations, settings: FleetSettings,
+            run_s: float) -> dict[str, Any]:
+    """The arrivals through fleetsim for `run_s` simulated seconds; diagnostics."""
+    class_of = class_of_tenants(wl)
+    for a in arrivals:
+        obs.arrival(class_of[a.tenant], a.t_s)
+    sink = ObservingSink(obs, class_of)
+    fleet = Fleet(wl.scheduler_config, wl.tenants, sink, settings)
+    t0 = time.perf_counter()
+    with tuned_gc():
+        fleet.run(iter(arrivals), run_s)
+    return {"wall_s": round(time.perf_counter() - t0, 2), "preemptions": fleet.num_preemptions,
+            "rejected": sink.num_rejected,
+            "busy_slots_mean": round(statistics.mean(sink.busy_slots), 1)
+            if sink.busy_slots else None}
+
+
+
+def sim_idle_ttft_ms(wl: Workload, probes: list[Arrival], settings: FleetSettings) -> list[float]:
+    """The simulator's TTFTs for the idle probes (`idle_probes`)."""
+    obs = Observations(0.0, math.inf)
+    run_sim(wl, probes, obs, settings, probes[-1].t_s + 5.0)
+    return [x * 1000 for xs in obs.ttft_s.values() for x in xs]
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+HEARTBEAT_MS = 1000  # the worker's default, and FleetSettings'
+VARIANTS = (SIM, REAL)
+
+
+def fleet_settings(args: argparse.Namespace, network_ms: float) -> FleetSettings:
+    return FleetSettings(num_workers=args.workers, step_model=args.step_model,
+                         max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
+                         network_ms=network_ms, heartbeat_ms=HEARTBEAT_MS,
+                         hint_output_tokens=True)
+
+
+def worker_spec(args: argparse.Namespace) -> WorkerSpec:
+    return WorkerSpec(max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
+                      time_scale=1.0, step_model=args.step_model, heartbeat_ms=HEARTBEAT_MS)
+
+
+def scenarios_of(args: argparse.Namespace) -> dict[str, Scenario]:
+    out = {}
+    for name in args.scenarios.split(","):
+        if name not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
+        s = SCENARIOS[name]
+        duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else s.duration_s)
+        if duration_s <= s.warmup_s:
+            raise SystemExit(f"--duration-s must exceed {name}'s warm-up ({s.warmup_s:g} s)")
+        out[name] = replace(s, duration_s=duration_s)
+    return out
+
+
+@dataclass
+class Bench:
+    """One invocation: the nats-server, the scenarios and the calibrated network_ms."""
+
+    args: argparse.Namespace
+    scenarios: dict[str, Scenario]
+    nats_url: str
+    nats_pid: int | None
+    log_root: Path
+    run_id: str
+    notes: list[str] = field(default_factory=list)
+    network_ms: float = 0.0
+
+    def real_kwargs(self, prefix: str) -> dict[str, Any]:
+        return {"nats_url": self.nats_url, "prefix": prefix, "workers": self.args.workers,
+                "spec": worker_spec(self.args), "log_dir": self.log_root / prefix,
+                "notes": self.notes}
+
+    async def calibrate(self) -> dict[str, Any]:
+        """network_ms: the flag's, or the idle real TTFT p50 minus the simulator's."""
+        if self.args.network_ms is not None:
+            self.network_ms = self.args.network_ms
+            return {"value": self.network_ms, "source": "flag"}
+        wl, doc = load_scenario(next(iter(self.scenarios.values())), self.args.workers, 0)
+        probes = idle_probes(self.args.idle_probes)
+        sim = sim_idle_ttft_ms(wl, probes, fleet_settings(self.args, 0.0))
+        real = await idle_ttft_ms(wl, doc, probes,
+                                  **self.real_kwargs(f"fi{self.run_id}cal"))
+        self.network_ms = network_ms_from(real, sim)
+        return {"value": self.network_ms, "source": "calibrated", "n": len(real),
+                "real_idle_ttft_p50_ms": round(statistics.median(real), 2),
+                "sim_idle_ttft_p50_ms": round(statistics.median(sim), 2),
+                "real_idle_ttft_ms": [round(x, 2) for x in real]}
+
+    async def run_one(self, name: str, rep: int) -> dict[str, Any]:
+        """One (scenario:variant, repetition): seed = the repetition."""
+        scen_name, _, variant = name.partition(":")
+        s = self.scenarios[scen_name]
+        wl, doc = load_scenario(s, self.args.workers, rep)
+        arrivals = list(wl.arrivals())
+        obs = Observations(s.warmup_s, s.duration_s)
+        run_s = s.duration_s + s.drain_s
+        if variant == SIM:
+            diag = run_sim(wl, arrivals, obs, fleet_settings(self.args, self.network_ms), run_s)
+        else:
+            prefix = f"fi{self.run_id}{scen_name[:2]}{rep}"
+            diag = await run_real(wl, doc, arrivals, class_of_tenants(wl), obs, run_s=run_s,
+                                  nats_pid=self.nats_pid, **self.real_kwargs(prefix))
+        return {"classes": class_metrics(obs, [c.name for c in wl.classes]), "diag": diag,
+                "num_arrivals": len(arrivals)}
+
+
+async def amain(args: argparse.Namespace) -> int:
+    meta = RunMeta.here()
+    scenarios = scenarios_of(args)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fl-fid-") as tmp:
+        log_root = Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
+        with NatsServer(store_dir=str(Path(tmp) / "js")) as ns:
+            proc = getattr(ns, "proc", None)
+            bench = Bench(args, scenarios, ns.url, proc.pid if proc else None, log_root,
+                          str(os.getpid() % 100000))
+            network = await bench.calibrate()
+            print(f"network_ms = {bench.network_ms} ({network['source']})", file=sys.stderr)
+            names = [f"{s}:{v}" for s in scenarios for v in VARIANTS]
+            records = await run_interleaved(names, args.reps, bench.run_one)
+    data = {"args": vars(args), "workers": args.workers, "max_num_seqs": args.max_num_seqs,
+            "prefetch_seqs": args.prefetch_seqs, "step_model": args.step_model,
+            "network_ms": network, "wall_s": round(time.monotonic() - t0, 1),
+            "scenarios": {name: {"workload": s.workload, "warmup_s": s.warmup_s,
+                                 "duration_s": s.duration_s, "drain_s": s.drain_s,
+                                 "classes": _class_names(s, args.workers)}
+                          for name, s in scenarios.items()},
+            "notes": bench.notes, "runs": [r.__dict__ for r in records]}
+    body = report(data)
+    print(body)
+    stem = "fidelity.quick" if args.quick else "fidelity"
+    md, js = write_results(Path(args.out_dir) / f"{stem}.md", TITLE, body, data, meta,
+                           HOW_TO_READ)
+    print(f"(written to {md} and {js})", file=sys.stderr)
+    return 0 if all(r.error is None for r in records) else 1
+
+
+def _class_names(s: Scenario, workers: int) -> list[str]:
+    return [c.name for c in load_scenario(s, workers, 0)[0].classes]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"1 rep, {QUICK_DURATION_S:g} s scenarios: a smoke run (tails are max=)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 1)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="of: " + ", ".join(SCENARIOS))
+    ap.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                    help="workers of 32 slots (the workloads' load scales with it)")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--prefetch-seqs", type=int, default=4)
+    ap.add_argument("--step-model", default="default")
+    ap.add_argument("--duration-s", type=float, default=None,
+                    help="every scenario's arrivals stop here (default: its own, quick 30)")
+    ap.add_argument("--network-ms", type=float, default=None,
+                    help="the simulator's message latency (default: calibrated on the idle "
+                         "real fleet)")
+    ap.add_argument("--idle-probes", type=int, default=None,
+                    help="sequential probes for the calibration (default 60; quick 30)")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--log-dir", default="", help="keep process logs here (default: temp)")
+    args = ap.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 5)
+    args.idle_probes = args.idle_probes or (30 if args.quick else 60)
+    if args.workers < 1:
+        ap.error("--workers must be >= 1")
+    return args
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM as Ctrl-C: the run's cleanup (client, fleet, nats-server) still happens.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return asyncio.run(amain(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for fleet in list(LIVE_FLEETS.values()):  # interrupted mid-run: nothing may outlive us
+            fleet.kill_now()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

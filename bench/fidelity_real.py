@@ -1,0 +1,338 @@
+"""The real fleet of bench/fidelity.py: a dispatcher and simulator workers behind a
+loopback nats-server (`bench.fleet`), and a load generator that submits a workload's
+arrivals at their times with the producer library and times every stream.
+
+TTFT is the client's: first token chunk minus the moment the arrival's submit began
+(so a late generator shows as lag, reported, not as TTFT). CPU seconds of every fleet
+process (/proc/<pid>/stat), of this process and of the whole machine are read around
+the run: a CPU-starved fleet steps slower than its model, which is the first thing
+that separates it from the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.fleet import Fleet, WorkerSpec
+from fleetsim.records import Arrival
+from fleetsim.workload import Workload
+from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams
+
+POOL = "default"
+CHARS_PER_TOKEN = 4  # fairlane.validation.estimate_prompt_tokens: (chars + 3) // 4
+PUBLISH_CONCURRENCY = 256  # a tenant's submits in flight at once (as bench/preemption.py)
+LIMIT_FIELDS = ("max_concurrent", "max_queued", "max_kv_tokens")
+
+# Every fleet this process started and has not stopped: main() SIGKILLs what is left
+# (Ctrl-C, a crash) so nothing outlives the benchmark.
+LIVE_FLEETS: dict[int, Fleet] = {}  # by id(): a Fleet (a dataclass) is not hashable
+
+
+def tenants_doc(wl: Workload, doc: dict) -> dict:
+    """The tenants file a dispatcher needs to run what fleetsim runs for `doc`: the
+    same pool section and tiers, every class's tenants with their tier and limits."""
+    raw = {c["name"]: c for c in doc["classes"]}
+    tenants: dict[str, dict] = {}
+    for c in wl.classes:
+        for k in range(c.num_tenants):
+            i = c.first_tenant + k
+            entry: dict[str, Any] = {"tier": wl.tenants.tiers[wl.tenants.tier_of[i]],
+                                     "weight": wl.tenants.weight_of[i]}
+            entry.update({f: raw[c.name][f] for f in LIMIT_FIELDS if f in raw[c.name]})
+            tenants[c.tenant_name(k)] = entry
+    out: dict[str, Any] = {"pools": {POOL: doc.get("pool") or {}}, "tenants": tenants}
+    if doc.get("tiers"):
+        out["tiers"] = doc["tiers"]
+    return out
+
+
+def prompt_of(num_tokens: int) -> str:
+    """A prompt the workers count as exactly `num_tokens` tokens."""
+    return "x" * (CHARS_PER_TOKEN * num_tokens)
+
+
+# --- CPU ------------------------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of a process, in seconds; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine since boot (/proc/stat)."""
+    with contextlib.suppress(OSError, ValueError):
+        vals = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        return sum(vals) - idle, sum(vals)
+    return 0, 0
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    snap = {name: s for name, pid in pids.items() if (s := proc_cpu_s(pid)) is not None}
+    busy, total = machine_ticks()
+    return {**snap, "bench": time.process_time(), "_busy": busy, "_total": total,
+            "_wall": time.monotonic()}
+
+
+def cpu_usage(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Cores each process used between two snapshots, "fleet" = every process but
+    this one (nats, dispatcher, workers), and the machine's busy fraction (all its
+    processes, ours and anyone else's)."""
+    wall = b["_wall"] - a["_wall"]
+    if wall <= 0:
+        return {}
+    out = {name: round((b[name] - a[name]) / wall, 3) for name in a
+           if not name.startswith("_") and name in b}
+    out["fleet"] = round(sum(v for k, v in out.items() if k != "bench"), 3)
+    ticks = b["_total"] - a["_total"]
+    out["machine_busy_frac"] = round((b["_busy"] - a["_busy"]) / ticks, 3) if ticks else None
+    return out
+
+
+# --- the fleet ----------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def real_fleet(wl: Workload, doc: dict, *, nats_url: str, prefix: str, workers: int,
+                     spec: WorkerSpec, log_dir: Path,
+                     notes: list[str]) -> AsyncIterator[tuple[Fleet, FairlaneClient]]:
+    """A started fleet and a connected client; both stopped on the way out, however
+    it is left (the client first: it cancels its open streams upstream)."""
+    fleet = Fleet(nats_url, prefix, yaml.safe_dump(tenants_doc(wl, doc)),
+                  wl.scheduler_config.policy, log_dir, num_workers=workers, worker=spec,
+                  pool=POOL)
+    LIVE_FLEETS[id(fleet)] = fleet
+    client = None
+    try:
+        await fleet.start()
+        client = await FairlaneClient.connect(nats_url, prefix=prefix, max_buffered_chunks=4096)
+        yield fleet, client
+    finally:
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.close(), 15)
+            except Exception as exc:  # noqa: BLE001 - the fleet must still be stopped
+                notes.append(f"{prefix}: client.close failed: {exc!r}")
+            # Let the cancels land first: a worker told to stop drains by finishing what
+            # it runs (seconds at these lengths), past the stop's grace period.
+            with contextlib.suppress(Exception):
+                await fleet.wait_idle(15)
+        codes = await fleet.stop(grace_s=6.0)
+        LIVE_FLEETS.pop(id(fleet), None)
+        bad = {k: v for k, v in codes.items() if v != 0}
+        if bad:
+            notes.append(f"{prefix}: processes did not exit cleanly on SIGTERM: {bad} "
+                         "(None = SIGKILLed after the grace period)")
+
+
+def fleet_pids(fleet: Fleet, nats_pid: int | None) -> dict[str, int]:
+    pids = {name: p.pid for name, p in fleet.procs}
+    if nats_pid is not None:
+        pids["nats"] = nats_pid
+    return pids
+
+
+@dataclass
+class Live:
+    """One arrival's request on the real fleet (loop-clock seconds)."""
+
+    cls: str
+    tenant: str
+    tier: str
+    arrival: Arrival
+    t_sub: float | None = None
+    t_first: float | None = None
+    t_done: float | None = None
+    num_tokens: int = 0
+    error: str | None = None
+    stream: Any = None  # its RequestStream once submitted
+
+
+@dataclass
+class LoadGen:
+    """Submits arrivals at t0 + t_s and reads their streams; tokens go to `obs` as
+    they arrive (it counts those inside its window)."""
+
+    client: FairlaneClient
+    obs: Any  # bench.fidelity.Observations
+    t0: float = 0.0
+    lives: list[Live] = field(default_factory=list)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    # Per tenant: a burst's publishes must not hold up another tenant's submit (they
+    # would be separate clients in production).
+    sems: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+
+    async def request(self, live: Live) -> None:
+        loop = asyncio.get_running_loop()
+        live.t_sub = loop.time()
+        a = live.arrival
+        try:
+            sem = self.sems.setdefault(live.tenant, asyncio.Semaphore(PUBLISH_CONCURRENCY))
+            async with sem:
+                stream = live.stream = await self.client.submit(RequestSpec(
+                    tenant=live.tenant, tier=live.tier, prompt=prompt_of(a.prompt_tokens),
+                    sampling=SamplingParams(max_tokens=a.max_tokens),
+                    expected_output_tokens=min(a.output_tokens, a.max_tokens)))
+            async for chunk in stream:
+                n = chunk.num_tokens or len(chunk.token_ids or ())
+                if not n:
+                    continue
+                now = loop.time()
+                if live.t_first is None:
+                    live.t_first = now
+                live.num_tokens += n
+                self.obs.generated(live.cls, now - self.t0, now - self.t0, n)
+            live.t_done = loop.time()
+        except RequestError as exc:
+            live.error = exc.error.code.value
+
+    async def run(self, lives: list[Live], t0: float) -> None:
+        """Start each request at its arrival time (`lives` in time order)."""
+        loop = asyncio.get_running_loop()
+        self.t0 = t0
+        for live in lives:
+            delay = t0 + live.arrival.t_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.lives.append(live)
+            task = loop.create_task(self.request(live))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def cancel_all(self) -> None:
+        """Stop reading and cancel the unfinished requests upstream (a stream whose
+        reader stops is only forgotten by the client library; its work would go on)."""
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        for live in self.lives:
+            if live.t_done is None and live.stream is not None and not live.stream.is_done:
+                with contextlib.suppress(Exception):
+                    await live.stream.cancel("bench_done")
+        with contextlib.suppress(Exception):
+            await self.client.nc.flush(timeout=10)
+
+    def report(self) -> None:
+        """Every request's times into `obs` (relative to t0); unfinished ones count as
+        arrived, and with their first token if they had one (censored otherwise)."""
+        for live in self.lives:
+            a, cls = live.arrival, live.cls
+            self.obs.arrival(cls, a.t_s)
+            if live.t_sub is None or live.t_first is None:
+                continue
+            ttft_s = live.t_first - live.t_sub
+            self.obs.first_token(cls, a.t_s, ttft_s)
+            if live.t_done is not None and live.error is None:
+                self.obs.finished(cls, a.t_s, live.t_done - live.t_sub, ttft_s, live.num_tokens)
+
+    def lag_ms(self) -> list[float]:
+        """How late each measured arrival's submit began (the generator's lag)."""
+        return [(lv.t_sub - self.t0 - lv.arrival.t_s) * 1000 for lv in self.lives
+                if lv.t_sub is not None and self.obs.in_window(lv.arrival.t_s)]
+
+
+def lives_of(wl: Workload, arrivals: list[Arrival], class_of: list[str]) -> list[Live]:
+    t = wl.tenants
+    return [Live(class_of[a.tenant], t.names[a.tenant], t.tiers[t.tier_of[a.tenant]], a)
+            for a in arrivals]
+
+
+async def _busy_sampler(fleet: Fleet, obs: Any, t0: float, out: list[int]) -> None:
+    """The fleet's running sequences (heartbeats) once a second inside the window."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(1.0)
+        if obs.in_window(loop.time() - t0):
+            out.append(sum(hb.load.num_running for hb in fleet.heartbeats.values()))
+
+
+async def warm_up(client: FairlaneClient, lives: list[Live]) -> None:
+    """One short request per class (imports, connections, the first pulls), awaited."""
+    seen: dict[str, Live] = {}
+    for lv in lives:
+        seen.setdefault(lv.cls, lv)
+    gen = LoadGen(client, obs=_Null())
+    for lv in seen.values():
+        a = Arrival(0.0, lv.arrival.tenant, 32, 8, 8)
+        await asyncio.wait_for(gen.request(Live(lv.cls, lv.tenant, lv.tier, a)), 30)
+
+
+class _Null:
+    def generated(self, *args: Any) -> None:
+        pass
+
+
+async def run_real(wl: Workload, doc: dict, arrivals: list[Arrival], class_of: list[str],
+                   obs: Any, *, run_s: float, nats_url: str, nats_pid: int | None,
+                   prefix: str, workers: int, spec: WorkerSpec, log_dir: Path,
+                   notes: list[str]) -> dict[str, Any]:
+    """The arrivals through a fresh real fleet; requests arriving in `obs`'s window
+    may run until `run_s` after t0 (the simulator runs as long). Diagnostics."""
+    loop = asyncio.get_running_loop()
+    lives = lives_of(wl, arrivals, class_of)
+    async with real_fleet(wl, doc, nats_url=nats_url, prefix=prefix, workers=workers,
+                          spec=spec, log_dir=log_dir, notes=notes) as (fleet, client):
+        await warm_up(client, lives)
+        await fleet.wait_idle(10)
+        gen = LoadGen(client, obs)
+        busy: list[int] = []
+        pids = fleet_pids(fleet, nats_pid)
+        cpu0 = cpu_snapshot(pids)
+        t0 = loop.time() + 0.2
+        sampler = loop.create_task(_busy_sampler(fleet, obs, t0, busy))
+        await gen.run(lives, t0)
+        while loop.time() < t0 + run_s and any(
+                lv.t_done is None and lv.error is None for lv in gen.lives
+                if obs.in_window(lv.arrival.t_s)):
+            await asyncio.sleep(0.1)
+        cpu1 = cpu_snapshot(pids)
+        sampler.cancel()
+        await gen.cancel_all()
+        gen.report()
+        problems = fleet.log_problems(max_lines=5)
+    lag = gen.lag_ms()
+    errors = [lv.error for lv in gen.lives if lv.error]
+    return {"cpu_cores": cpu_usage(cpu0, cpu1),
+            "lag_p50_ms": round(statistics.median(lag), 2) if lag else None,
+            "lag_max_ms": round(max(lag), 2) if lag else None,
+            "busy_slots_mean": round(statistics.mean(busy), 1) if busy else None,
+            "errors": len(errors), "error_codes": sorted(set(errors)),
+            "log_problems": problems}
+
+
+async def idle_ttft_ms(wl: Workload, doc: dict, probes: list[Arrival], *, nats_url: str,
+                       prefix: str, workers: int, spec: WorkerSpec, log_dir: Path,
+                       notes: list[str]) -> list[float]:
+    """TTFTs of sequential probes on an idle real fleet (tenant index 0), each awaited
+    to its end before the next starts at its time."""
+    loop = asyncio.get_running_loop()
+    class_of = ["probe"] * len(wl.tenants)
+    lives = lives_of(wl, probes, class_of)
+    async with real_fleet(wl, doc, nats_url=nats_url, prefix=prefix, workers=workers,
+                          spec=spec, log_dir=log_dir, notes=notes) as (fleet, client):
+        await warm_up(client, lives)
+        await fleet.wait_idle(10)
+        gen = LoadGen(client, obs=_Null())
+        t0 = loop.time()
+        for lv in lives:
+            delay = t0 + lv.arrival.t_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await asyncio.wait_for(gen.request(lv), 30)
+    return [(lv.t_first - lv.t_sub) * 1000 for lv in lives
+            if lv.t_first is not None and lv.t_sub is not None]

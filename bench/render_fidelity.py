@@ -1,0 +1,300 @@
+"""The simulator-fidelity comparison (issue 12, item 5): fleetsim vs the real fleet on
+the same arrivals, from the JSON bench/fidelity.py writes ({"meta", "data": {"runs":
+[{"variant": "SCENARIO:sim" | "SCENARIO:real", "rep", "metrics": {"classes": {CLASS:
+{...}}}}], "scenarios", "network_ms", ...}}).
+
+Pure: the relative errors, the tail each comparison may use, the verdicts and the
+tables. bench/fidelity.py writes its results markdown with the same functions, so the
+results file and BENCHMARKS.md cannot disagree.
+
+    <!-- generated: fidelity STEM -->        the table, per scenario x class x metric
+    <!-- row:fidelity -->                     the Summary row (bench/results/fidelity.json)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.harness import MIN_P99_SAMPLES, Summary, summarize
+from bench.render_common import RenderError, Results, fmt_sig, row_source, sources_line, table
+
+TOLERANCE = 0.10  # issue 12: TTFT p50/p99 and throughput within 10% (Vidur: < 9%)
+ALL = "all"  # the pseudo-class of every request of a scenario
+SIM, REAL = "sim", "real"
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str  # in a class's metrics; "ttft_tail" picks p99 or max (`tail_label`)
+    label: str
+    judged: bool  # counts toward the verdict (else a diagnostic: where a gap comes from)
+
+
+METRICS = (
+    Metric("ttft_p50_ms", "TTFT p50, ms", True),
+    Metric("ttft_tail", "TTFT p99, ms", True),
+    Metric("tokens_per_s", "output tokens/s", True),
+    Metric("e2e_p50_ms", "end-to-end p50, ms", True),
+    Metric("tpot_p50_ms", "TPOT p50, ms (diagnostic)", False),
+)
+
+
+def rel_err(sim: float | None, real: float | None) -> float:
+    """(sim - real) / real: the simulator's error with the real fleet as the truth;
+    NaN when either is missing or the real value is 0."""
+    if sim is None or real is None or real == 0 or math.isnan(sim) or math.isnan(real):
+        return math.nan
+    return (sim - real) / real
+
+
+def tail_label(counts: Sequence[int]) -> str:
+    """"p99" when every run compared has at least MIN_P99_SAMPLES TTFTs, else "max":
+    one label for all repetitions of a row, so sim and real (and the repetitions'
+    median) always compare like with like."""
+    return "p99" if counts and min(counts) >= MIN_P99_SAMPLES else "max"
+
+
+def value(m: dict[str, Any], key: str, tail: str = "p99") -> float | None:
+    """One metric of one class of one run; `ttft_tail` is the p99 or the max."""
+    if key == "ttft_tail":
+        key = "ttft_p99_ms" if tail == "p99" else "ttft_max_ms"
+    v = m.get(key)
+    return None if v is None else float(v)
+
+
+def verdict(err: Summary, tolerance: float = TOLERANCE) -> str:
+    """"met" when the median relative error over repetitions is within the tolerance."""
+    if err.n == 0 or math.isnan(err.median):
+        return "n/a"
+    return "met" if abs(err.median) <= tolerance else "missed"
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str
+    cls: str
+    metric: Metric
+    tail: str
+    sim: Summary
+    real: Summary
+    err: Summary
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.err) if self.metric.judged else "diagnostic"
+
+    @property
+    def short(self) -> str:
+        """The metric in a few words (the Summary row)."""
+        if self.metric.key == "ttft_tail":
+            return f"TTFT {self.tail}"
+        return self.metric.label.split(",")[0]
+
+    @property
+    def label(self) -> str:
+        if self.metric.key == "ttft_tail" and self.tail == "max":
+            return "TTFT max (< 200 samples: no p99), ms"
+        return self.metric.label
+
+
+def pairs(runs: list[dict], scenario: str) -> list[tuple[dict, dict]]:
+    """(sim, real) class metrics of each repetition where both runs succeeded."""
+    by: dict[tuple[int, str], dict] = {}
+    for r in runs:
+        scen, _, variant = str(r.get("variant", "")).partition(":")
+        if scen == scenario and not r.get("error"):
+            by[(r["rep"], variant)] = r["metrics"]["classes"]
+    reps = sorted({rep for rep, _ in by})
+    return [(by[(rep, SIM)], by[(rep, REAL)]) for rep in reps
+            if (rep, SIM) in by and (rep, REAL) in by]
+
+
+def compare(runs: list[dict], scenario: str, classes: Sequence[str]) -> list[Row]:
+    """One row per class x metric with a value on either side (a class with no
+    requests arriving in the window has no TTFT, only its throughput)."""
+    ps = pairs(runs, scenario)
+    rows = []
+    for cls in [*classes, ALL]:
+        both = [(s[cls], r[cls]) for s, r in ps if cls in s and cls in r]
+        tail = tail_label([m.get("n_ttft", 0) for pair in both for m in pair])
+        for metric in METRICS:
+            sims = [value(s, metric.key, tail) for s, _ in both]
+            reals = [value(r, metric.key, tail) for _, r in both]
+            if all(v is None for v in sims + reals):
+                continue
+            errs = [rel_err(s, r) for s, r in zip(sims, reals, strict=True)]
+            rows.append(Row(scenario, cls, metric, tail, summarize(sims), summarize(reals),
+                            summarize(errs)))
+    return rows
+
+
+def all_rows(data: dict) -> list[Row]:
+    runs = data.get("runs", [])
+    return [row for name, scen in data.get("scenarios", {}).items()
+            for row in compare(runs, name, scen.get("classes", []))]
+
+
+# --- text ---------------------------------------------------------------------------------
+
+
+def fmt_pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x * 100:+.1f}%"
+
+
+def fmt_err(err: Summary) -> str:
+    """Median relative error, then the range over repetitions: "+4.2% (-1.0 to +8.3)"."""
+    if err.n == 0:
+        return "n/a"
+    if err.n == 1:
+        return fmt_pct(err.median)
+    return f"{fmt_pct(err.median)} ({err.lo * 100:+.1f} to {err.hi * 100:+.1f})"
+
+
+def fmt_value(s: Summary) -> str:
+    """Median over repetitions (three significant figures)."""
+    return fmt_sig(s.median) if s.n else "n/a"
+
+
+def fmt_verdict(row: Row) -> str:
+    v = row.verdict
+    return {"met": f"within {TOLERANCE:.0%}", "missed": "**missed**"}.get(v, v)
+
+
+def setup_line(data: dict) -> str:
+    """The fleet, the simulator's one free parameter and how it was chosen, the reps."""
+    net = data.get("network_ms", {})
+    how = (f"calibrated: idle real TTFT p50 {fmt_sig(net.get('real_idle_ttft_p50_ms'))} ms − "
+           f"simulated {fmt_sig(net.get('sim_idle_ttft_p50_ms'))} ms"
+           if net.get("source") == "calibrated" else "given by --network-ms")
+    runs = data.get("runs", [])
+    compared = min((len(pairs(runs, name)) for name in data.get("scenarios", {})), default=0)
+    reps = len({r["rep"] for r in runs})
+    failed = sum(1 for r in runs if r.get("error"))
+    windows = "; ".join(f"{name} [{s['warmup_s']:g}, {s['duration_s']:g}) s"
+                        for name, s in data.get("scenarios", {}).items())
+    return (f"{data.get('workers')} workers × {data.get('max_num_seqs')} slots, prefetch "
+            f"{data.get('prefetch_seqs')}, step model `{data.get('step_model')}`; simulator "
+            f"`network_ms` {fmt_sig(net.get('value'))} ({how}); {compared} of {reps} "
+            f"repetitions compared ({failed} runs failed), sim and real interleaved; values are medians over repetitions, the error is "
+            f"(sim − real) ÷ real per repetition, median (min to max); measurement windows "
+            f"(arrivals, warm-up dropped): {windows}.")
+
+
+def comparison_table(data: dict) -> str:
+    header = ["scenario", "class", "metric", "sim", "real", "error, median (range)",
+              "verdict"]
+    rows = [[r.scenario, r.cls, r.label, fmt_value(r.sim), fmt_value(r.real), fmt_err(r.err),
+             fmt_verdict(r)] for r in all_rows(data)]
+    return setup_line(data) + "\n\n" + table(header, "lllrrrl", rows)
+
+
+def _cores(cpu: dict[str, float]) -> str:
+    workers = sum(v for k, v in cpu.items() if k.startswith("worker"))
+    return " / ".join(fmt_sig(x) for x in (workers, cpu.get("dispatcher"), cpu.get("nats"),
+                                           cpu.get("bench")))
+
+
+def diagnostics_table(data: dict) -> str:
+    """Per run: how busy the fleet was, and whether the real one had the CPU it needed
+    (a starved worker steps slower than its model; a late generator skews arrivals)."""
+    rows = []
+    for r in sorted(data.get("runs", []), key=lambda r: r["position"]):
+        d = r.get("metrics", {}).get("diag", {})
+        allm = r.get("metrics", {}).get("classes", {}).get(ALL, {})
+        scen, _, variant = r["variant"].partition(":")
+        cpu = d.get("cpu_cores", {})
+        if r.get("error"):
+            extra = f"failed: {r['error'][:120]}"
+        elif variant == SIM:
+            extra = f"{d.get('wall_s')} s wall, {d.get('preemptions')} preemptions"
+        else:
+            extra = f"{d.get('errors', 0)} errors, {len(d.get('log_problems', []))} log problems"
+        busy = cpu.get("machine_busy_frac")
+        rows.append([scen, r["rep"], variant, fmt_sig(d.get("busy_slots_mean")),
+                     allm.get("censored", "n/a"), _cores(cpu) if cpu else "—",
+                     f"{busy:.0%}" if busy is not None else "—",
+                     f"{fmt_sig(d.get('lag_p50_ms'))} / {fmt_sig(d.get('lag_max_ms'))}"
+                     if variant == REAL else "—", extra])
+    header = ["scenario", "rep", "variant", "busy slots, mean", "censored",
+              "CPU cores: workers / dispatcher / nats / load generator", "machine busy",
+              "generator lag p50 / max, ms", "notes"]
+    return table(header, "lrlrrrrrl", rows)
+
+
+HOW_TO_READ = """\
+Each scenario's arrivals (a fleetsim workload, seed = the repetition) go once through
+the simulator (`fleetsim`, in-process, virtual time) and once through the real fleet
+(loopback nats-server, dispatcher and `gpu_worker --engine sim --time-scale 1.0`
+processes, the producer library as the client). **sim** and **real** columns are
+medians over repetitions; the error is (sim − real) ÷ real per repetition, as median
+(min to max), and a metric is within the target when the median's magnitude is ≤ 10%.
+TTFT p99 needs ≥ 200 requests in every run compared, else the row compares maxima.
+Only requests arriving inside the window are timed; throughput counts the output
+tokens generated inside it. TPOT is a diagnostic: real/sim > 1 means the real workers
+step slower than their step model (event-loop time per step, CPU contention).
+
+What the simulator does not model: the client and JetStream leg (publish, pub-ack,
+the dispatcher's fetch, the token's way back), folded into `network_ms`, which
+fleetsim applies to *every* dispatcher↔worker message (pulls included) and which is
+measured on the idle fleet, not fitted to these scenarios; the worker's own event-loop
+time (token publishing, coalescing) that lengthens each real step beyond the model;
+the producer's stream watchdog traffic; CPU contention between the processes.
+
+The fleet's size is the largest this 2-core machine held with headroom (see
+bench/fidelity.py's docstring). The Runs table gives each real run's CPU per process
+and the machine's busy fraction, which counts every job on the machine, not only
+this benchmark's: a real run on a busy machine steps slower than its model."""
+
+
+def report(data: dict) -> str:
+    """The results markdown's body (bench/fidelity.py)."""
+    parts = ["## Sim vs real", "", comparison_table(data), "",
+             "## Runs", "", diagnostics_table(data)]
+    notes = data.get("notes") or []
+    if notes:
+        parts += ["", "## Notes", "", *[f"- {n}" for n in notes]]
+    return "\n".join(parts) + "\n"
+
+
+def fidelity_table(res: Results, args: list[str], _old: str) -> str:
+    """`<!-- generated: fidelity STEM -->`: sim vs real per scenario, class and metric."""
+    if len(args) != 1:
+        raise RenderError("fidelity takes one results file")
+    data = res.load(args[0]).get("data", {})
+    if not data.get("runs"):
+        raise RenderError(f"{args[0]}.json has no runs")
+    return sources_line(res, args) + "\n\n" + comparison_table(data)
+
+
+def headline(rows: list[Row]) -> tuple[int, int, list[Row]]:
+    """(judged rows within the tolerance, judged rows, the missed ones worst first)."""
+    judged = [r for r in rows if r.metric.judged and r.verdict != "n/a"]
+    missed = sorted((r for r in judged if r.verdict == "missed"),
+                    key=lambda r: -abs(r.err.median))
+    return len(judged) - len(missed), len(judged), missed
+
+
+STEM = "fidelity"
+
+
+def summary_fidelity(res: Results) -> list[str]:
+    data = res.load(STEM).get("data", {})
+    met, n, missed = headline(all_rows(data))
+    worst = ", ".join(f"{r.scenario}/{r.cls} {r.short} {fmt_pct(r.err.median)}"
+                      for r in missed[:4])
+    measured = f"**{met} of {n}** within {TOLERANCE:.0%}" + (
+        f"; missed: {worst}" + (f" (+{len(missed) - 4} more)" if len(missed) > 4 else "")
+        if missed else "")
+    scen = " + ".join(data.get("scenarios", {}))
+    return [f"§9 simulator fidelity: fleetsim vs the real fleet ({data.get('workers')} workers "
+            f"× {data.get('max_num_seqs')} slots, real NATS, sim workers), same arrivals "
+            f"({scen}): TTFT p50/p99, output tokens/s, e2e p50 per class",
+            measured, f"≤ {TOLERANCE:.0%} each" + (" — missed" if missed else " — met"),
+            row_source(res, STEM)]
+
+
+KINDS = {"fidelity": fidelity_table}
+SUMMARY_ROWS = {"fidelity": summary_fidelity}

@@ -1,0 +1,216 @@
+"""bench/fidelity.py and bench/render_fidelity.py: the per-run numbers, the sim/real
+comparison (relative errors, verdicts, p99 vs max by sample count) and the renderer,
+on small hand-made inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.fidelity import (
+    SCENARIOS,
+    Observations,
+    class_metrics,
+    fleet_settings,
+    idle_probes,
+    load_scenario,
+    metrics_of,
+    network_ms_from,
+    parse_args,
+    scaled_doc,
+    sim_idle_ttft_ms,
+)
+from bench.fidelity_real import cpu_usage, prompt_of, tenants_doc
+from bench.harness import summarize
+from bench.render_common import Results
+from bench.render_fidelity import (
+    compare,
+    fidelity_table,
+    headline,
+    rel_err,
+    report,
+    summary_fidelity,
+    tail_label,
+    verdict,
+)
+from fairlane.protocol import InferenceRequest
+from fairlane.validation import estimate_prompt_tokens
+
+pytestmark = pytest.mark.unit
+
+
+# --- comparison -------------------------------------------------------------------------
+
+
+def test_rel_err_is_relative_to_the_real_fleet():
+    assert rel_err(110.0, 100.0) == pytest.approx(0.10)
+    assert rel_err(90.0, 100.0) == pytest.approx(-0.10)
+    assert math.isnan(rel_err(5.0, 0.0))
+    assert math.isnan(rel_err(None, 100.0))
+    assert math.isnan(rel_err(5.0, math.nan))
+
+
+def test_verdict_judges_the_median_error_against_ten_percent():
+    assert verdict(summarize([0.02, 0.10, -0.30])) == "met"  # median 0.02: the range may not
+    assert verdict(summarize([-0.10])) == "met"
+    assert verdict(summarize([-0.1001])) == "missed"
+    assert verdict(summarize([0.12, 0.15, 0.01])) == "missed"
+    assert verdict(summarize([math.nan])) == "n/a"
+
+
+def test_tail_is_a_p99_only_when_every_run_has_200_samples():
+    assert tail_label([200, 250, 900]) == "p99"
+    assert tail_label([199, 250]) == "max"
+    assert tail_label([]) == "max"
+
+
+def test_metrics_report_p99_from_200_samples_and_the_max_always():
+    ms = [i / 1000 for i in range(1, 201)]  # 1..200 ms
+    m = metrics_of(200, ms, ms, [0.01] * 200, 1000.0, 10.0)
+    assert m["ttft_p99_ms"] == pytest.approx(198.01)
+    assert m["ttft_max_ms"] == pytest.approx(200.0)
+    assert m["ttft_p50_ms"] == pytest.approx(100.5)
+    assert m["tokens_per_s"] == pytest.approx(100.0)
+    short = metrics_of(200, ms[:199], ms, [], 0.0, 10.0)
+    assert short["ttft_p99_ms"] is None and short["ttft_max_ms"] == pytest.approx(199.0)
+    assert short["censored"] == 1 and short["tpot_p50_ms"] is None
+
+
+def test_observations_drop_the_warm_up_and_count_tokens_inside_the_window():
+    obs = Observations(10.0, 20.0)
+    for t in (5.0, 10.0, 19.9, 20.0):
+        obs.arrival("a", t)
+        obs.first_token("a", t, 0.05)
+    obs.finished("a", 9.0, 3.0, 0.05, 100)  # arrived in the warm-up: not timed
+    obs.finished("a", 12.0, 2.05, 0.05, 101)
+    assert obs.arrived == {"a": 2} and obs.ttft_s == {"a": [0.05, 0.05]}
+    assert obs.e2e_s == {"a": [2.05]} and obs.tpot_s["a"] == [pytest.approx(0.02)]
+    obs.generated("a", 8.0, 12.0, 40)  # half of it inside
+    obs.generated("a", 15.0, 15.0, 3)  # a real chunk: one instant
+    obs.generated("a", 20.0, 20.0, 7)  # at the window's end: outside
+    obs.generated("b", 0.0, 30.0, 30)  # spans the whole window: a third
+    assert obs.tokens == {"a": pytest.approx(23.0), "b": pytest.approx(10.0)}
+    m = class_metrics(obs, ["a", "b"])
+    assert m["all"]["n_arrived"] == 2 and m["all"]["tokens_per_s"] == pytest.approx(3.3)
+    assert m["b"]["ttft_p50_ms"] is None and m["b"]["tokens_per_s"] == pytest.approx(1.0)
+
+
+def test_network_ms_is_the_idle_p50_gap_and_never_negative():
+    assert network_ms_from([15.0, 16.0, 40.0], [10.5, 10.5]) == pytest.approx(5.5)
+    assert network_ms_from([9.0], [10.0]) == 0.0
+    with pytest.raises(ValueError):
+        network_ms_from([], [10.0])
+
+
+def test_one_message_lies_on_the_simulators_idle_first_token_path():
+    """The calibration's premise: network_ms adds itself once to an idle TTFT."""
+    args = parse_args(["--quick"])
+    wl, _ = load_scenario(SCENARIOS["light"], 2, 0)
+    probes = idle_probes(4)
+    base = sim_idle_ttft_ms(wl, probes, fleet_settings(args, 0.0))
+    plus = sim_idle_ttft_ms(wl, probes, fleet_settings(args, 3.0))
+    assert len(base) == 4
+    assert [b - a for a, b in zip(base, plus, strict=True)] == [pytest.approx(3.0)] * 4
+
+
+def test_scaling_a_workload_scales_only_the_named_classes():
+    doc = {"classes": [{"name": "p", "arrival": {"process": "poisson", "rate_per_s": 2.0}},
+                       {"name": "b", "arrival": {"process": "burst", "at_s": 5, "count": 7}},
+                       {"name": "q", "arrival": {"process": "poisson", "rate_per_s": 10}}]}
+    out = scaled_doc(doc, ("p", "b"), 1.5)
+    assert [c["arrival"].get("rate_per_s", c["arrival"].get("count")) for c in out["classes"]] \
+        == [3.0, 10, 10]
+    assert doc["classes"][0]["arrival"]["rate_per_s"] == 2.0  # the input is not changed
+
+
+def test_the_real_fleet_gets_the_simulators_tenants_and_prompt_lengths():
+    wl, doc = load_scenario(SCENARIOS["steady"], 2, 0)
+    t = tenants_doc(wl, doc)
+    assert t["pools"]["default"] == doc["pool"] and t["tiers"] == doc["tiers"]
+    assert t["tenants"]["ent"]["tier"] == "enterprise"
+    assert set(t["tenants"]) == {"ent", "chat-0", "chat-1", "batch"}
+    for n in (1, 32, 511):
+        req = InferenceRequest(request_id="r", tenant="t", pool="p", tier="x", reply_to="i",
+                               prompt=prompt_of(n))
+        assert estimate_prompt_tokens(req) == n
+
+
+def test_cpu_usage_in_cores():
+    a = {"worker0": 1.0, "nats": 0.5, "bench": 2.0, "_busy": 100, "_total": 400, "_wall": 10.0}
+    b = {"worker0": 3.0, "nats": 1.5, "bench": 3.0, "_busy": 300, "_total": 800, "_wall": 20.0}
+    assert cpu_usage(a, b) == {"worker0": 0.2, "nats": 0.1, "bench": 0.1, "fleet": 0.3,
+                               "machine_busy_frac": 0.5}
+
+
+# --- a hand-made results file -------------------------------------------------------------
+
+
+def _m(p50: float, tail: float, tps: float, n: int, e2e: float = 1000.0) -> dict:
+    return {"n_arrived": n, "n_ttft": n, "n_e2e": n, "censored": 0, "ttft_p50_ms": p50,
+            "ttft_p99_ms": tail if n >= 200 else None, "ttft_max_ms": tail + 50,
+            "e2e_p50_ms": e2e, "tpot_p50_ms": 13.0, "tokens_per_s": tps}
+
+
+def _run(variant: str, rep: int, pos: int, classes: dict, error: str | None = None) -> dict:
+    return {"variant": variant, "rep": rep, "position": pos, "error": error, "elapsed_s": 1.0,
+            "metrics": {} if error else {"classes": classes, "diag": {}}}
+
+
+def _doc() -> dict:
+    runs = [
+        # rep 0: p50 +10% (sim 44 vs real 40), throughput -5%
+        _run("steady:sim", 0, 0, {"a": _m(44, 90, 950, 300), "all": _m(44, 90, 950, 300)}),
+        _run("steady:real", 0, 1, {"a": _m(40, 100, 1000, 300), "all": _m(40, 100, 1000, 300)}),
+        # rep 1: p50 +20%; one real run with 150 TTFTs: the tail row compares maxima
+        _run("steady:real", 1, 2, {"a": _m(40, 100, 1000, 150), "all": _m(40, 100, 1000, 300)}),
+        _run("steady:sim", 1, 3, {"a": _m(48, 90, 1000, 300), "all": _m(48, 90, 1000, 300)}),
+        # rep 2: the real run failed: rep 2 is not compared at all
+        _run("steady:sim", 2, 4, {"a": _m(400, 900, 1, 300), "all": _m(400, 900, 1, 300)}),
+        _run("steady:real", 2, 5, {}, error="RuntimeError('boom')"),
+    ]
+    return {"meta": {"command": "python bench/fidelity.py", "commit": "abc1234",
+                     "date_utc": "2030-01-02T03:04:05Z", "machine": "test"},
+            "data": {"workers": 2, "max_num_seqs": 32, "prefetch_seqs": 4,
+                     "step_model": "default",
+                     "network_ms": {"value": 5.0, "source": "calibrated",
+                                    "real_idle_ttft_p50_ms": 15.8, "sim_idle_ttft_p50_ms": 10.8},
+                     "scenarios": {"steady": {"warmup_s": 10, "duration_s": 70,
+                                              "classes": ["a"]}},
+                     "notes": [], "runs": runs}}
+
+
+def test_compare_pairs_repetitions_and_labels_tails():
+    rows = {(r.cls, r.metric.key): r for r in compare(_doc()["data"]["runs"], "steady", ["a"])}
+    p50 = rows[("a", "ttft_p50_ms")]
+    assert p50.err.n == 2 and p50.err.median == pytest.approx(0.15)
+    assert (p50.err.lo, p50.err.hi) == (pytest.approx(0.10), pytest.approx(0.20))
+    assert p50.verdict == "missed" and p50.sim.median == pytest.approx(46.0)
+    tail = rows[("a", "ttft_tail")]
+    assert tail.tail == "max" and tail.label.startswith("TTFT max")
+    assert tail.err.median == pytest.approx((140 - 150) / 150)  # maxima: p99 + 50
+    assert rows[("all", "ttft_tail")].tail == "p99"
+    tps = rows[("a", "tokens_per_s")]
+    assert tps.err.median == pytest.approx(-0.025) and tps.verdict == "met"
+    assert rows[("a", "tpot_p50_ms")].verdict == "diagnostic"
+
+
+def test_fidelity_table_and_summary_row_from_a_results_file(tmp_path):
+    (tmp_path / "fidelity.json").write_text(json.dumps(_doc()))
+    res = Results(tmp_path, "res")
+    out = fidelity_table(res, ["fidelity"], "")
+    assert "[`fidelity.json`](res/fidelity.json) (commit abc1234, 2030-01-02T03:04:05Z)" in out
+    assert "`network_ms` 5.00 (calibrated: idle real TTFT p50 15.8 ms − simulated 10.8 ms)" in out
+    assert "2 of 3 repetitions compared (1 runs failed)" in out
+    assert ("| steady | a | TTFT p50, ms | 46.0 | 40.0 | +15.0% (+10.0 to +20.0) | **missed** |"
+            in out)
+    assert "| steady | a | output tokens/s | 975 | 1,000 | -2.5% (-5.0 to +0.0) | within 10% |" \
+        in out
+    met, n, missed = headline(compare(_doc()["data"]["runs"], "steady", ["a"]))
+    assert (met, n) == (6, 8) and {r.cls for r in missed} == {"a", "all"}
+    row = summary_fidelity(res)
+    assert row[1].startswith("**6 of 8** within 10%; missed: steady/a TTFT p50 +15.0%, ")
+    assert row[2] == "≤ 10% each — missed"
+    assert row[3] == "[fidelity](res/fidelity.md) (abc1234, 2030-01-02)"
+    assert "## Runs" in report(_doc()["data"])
