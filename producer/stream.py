@@ -7,6 +7,7 @@ client's one inbox subscription and watched by its one silence watchdog.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -190,7 +191,21 @@ class RequestStream:
                     self._done = True
                 yield chunk
         finally:
-            self._client._forget(self.request_id)
+            if not self._done and self.failure is None:
+                # The caller stopped reading before the end (a `break`, an exception or
+                # a cancel in its loop, the iterator closed or collected): nobody will
+                # read the rest, so the fleet stops generating, and billing, it. One
+                # loop turn later, so that a caller cancelling it itself (its own
+                # reason, e.g. the websocket's client_cancel) goes first.
+                with contextlib.suppress(RuntimeError):  # no loop left: nobody to tell
+                    asyncio.get_running_loop().call_soon(self._abandoned)
+            else:
+                self._client._forget(self.request_id)
+
+    def _abandoned(self) -> None:
+        if not self._done and self.failure is None:
+            self._done = True
+            self._client._spawn_cancel(self, "client_gone")
 
     async def cancel(self, reason: str = "client_gone") -> None:
         """Tell the fleet to drop (queued) or abort (running) this request."""

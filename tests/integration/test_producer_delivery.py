@@ -78,6 +78,23 @@ async def test_close_cancels_every_open_request_upstream(fleet, nc):
                for i in ids)
 
 
+async def test_a_reader_that_stops_early_cancels_its_request_upstream(fleet, nc):
+    # A `break` out of the stream (or an exception in the reader's loop) means nobody
+    # reads the rest: the worker stops generating it, and the usage bills only what
+    # was generated until then.
+    client, subjects = fleet
+    finished, changed = await _finished_events(nc, subjects)
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi",
+                                      max_tokens=4000, expected_output_tokens=4000))
+    async for _chunk in stream:
+        break
+    await _wait_for(changed, lambda: stream.request_id in finished, 5)
+    fin = finished[stream.request_id]
+    assert fin.error is not None and fin.error.code is ErrorCode.CANCELLED
+    assert fin.usage is None or fin.usage.completion_tokens < 4000
+    assert client.num_open_streams == 0
+
+
 async def test_silent_stream_with_no_dispatcher_ends_with_stream_lost(nc, uid):
     subjects = Subjects(f"t{uid}")
     client = FairlaneClient(nc, prefix=subjects.prefix, silence_s=0.2, max_silence_s=1.0)
