@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import structlog
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from fairlane.runtime import cancel_and_wait
 
@@ -167,11 +167,12 @@ class LeaderLease:
         self.resigned = True
 
     async def _still_ours(self) -> int | None:
-        """The key's revision if it holds this lease's value, else None."""
+        """The key's revision if it holds this lease's value; None if NATS says it does
+        not (another value, deleted, expired). Raises when NATS gives no answer."""
         try:
             entry = await asyncio.wait_for(self._kv.get(self.key),
                                            timeout=self.machine.renew_every_ms / 1000)
-        except Exception:  # gone, expired, unreachable: not provably ours
+        except (KeyNotFoundError, KeyDeletedError):
             return None
         return entry.revision if entry.value == self.holder.encode() else None
 
@@ -193,7 +194,16 @@ class LeaderLease:
                     timeout=m.renew_every_ms / 1000)
                 m.renewed(rev, sent)
             except KeyWrongLastSequenceError as e:
-                rev = await self._still_ours()
+                try:
+                    rev = await self._still_ours()
+                except Exception as exc:  # noqa: BLE001 - no answer about the key
+                    # As a renewal that got no answer (below): not a sign that the key
+                    # moved, so keep trying until the fence deadline (a slow broker
+                    # under load once fenced a leader here that still held the key).
+                    log.info("lease_check_failed", key=self.key, epoch=m.epoch,
+                             error=repr(exc))
+                    await asyncio.sleep(min(0.1, m.renew_every_ms / 1000))
+                    return
                 if rev is None:  # the key moved: someone else holds it
                     log.warning("lease_lost", key=self.key, epoch=m.epoch, error=str(e))
                     m.lost()

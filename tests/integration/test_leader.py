@@ -149,3 +149,32 @@ async def test_a_renewal_that_landed_after_its_timeout_keeps_the_lease(nats_serv
         assert leader.epoch == lease.machine.epoch
     finally:
         await leader.stop()
+
+
+async def test_a_lease_check_that_gets_no_answer_does_not_fence_the_leader(nats_server, nc,
+                                                                           uid):
+    # The renewal's compare-and-set fails on a stale revision and the check of whose
+    # value the key holds then times out (a slow broker): that is no answer about the
+    # key, so the leader keeps trying until its fence deadline instead of giving up a
+    # lease it still holds.
+    subjects = Subjects(f"t{uid}")
+    leader = _dispatcher(nats_server.url, subjects)
+    await asyncio.wait_for(leader.start(), 10)
+    try:
+        lease = leader.lease
+        real_get, unanswered = lease._kv.get, []
+
+        async def slow_get(key, *args, **kwargs):
+            if not unanswered:
+                unanswered.append(key)
+                raise TimeoutError  # what asyncio.wait_for raises for a slow reply
+            return await real_get(key, *args, **kwargs)
+
+        lease._kv.get = slow_get
+        kv = await nc.jetstream().key_value(f"{subjects.prefix}_leader")
+        landed = await kv.update("p", lease.holder.encode(), last=lease.machine.revision)
+        await wait_until(lambda: lease.machine.revision > landed, 5)  # renewed past it
+        assert unanswered == ["p"]
+        assert not leader.lease_lost.is_set() and lease.leading()
+    finally:
+        await leader.stop()
