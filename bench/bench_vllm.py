@@ -336,7 +336,8 @@ async def run(args, variants: list[str]) -> tuple[list, list, dict]:
     from tests.vllm.tiny_model import write_tiny_model
 
     setup = setup_of(args, variants)
-    setup["machine_detail"] = describe_machine()
+    setup["machine_detail"] = (f"{describe_machine()}; VLLM_CPU_OMP_THREADS_BIND="
+                               f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '')}")
     setup["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
     model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-llama-")))
     engine = VllmEngine(VllmEngineConfig(
@@ -412,6 +413,10 @@ def main() -> None:
     variants = [v for v in VARIANTS if v in args.variants.split(",")]  # canonical order
     # Set before vLLM is imported: its CPU backend reads it once.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Unpinned OpenMP threads, as bench/preemption_vllm.py: vLLM-CPU's default pinning
+    # froze every process on the 2-core dev VM for seconds at a time, and the fleet's
+    # processes run beside the engine here. Set it in the environment to measure another.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # SIGTERM unwinds like Ctrl-C, so `run`'s finally stops the engine and nats-server.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from fairlane.logs import configure_logging
