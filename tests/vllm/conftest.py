@@ -36,6 +36,10 @@ async def vllm_engine(tiny_model_dir):
                     pytrace=False)
     # The CPU build sizes its KV cache from this (GiB); 1 is plenty for the tests.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Unpinned OpenMP threads: on a 2-vCPU machine vLLM-CPU's default pinning stalled
+    # every process for seconds at a time (README "Running with vLLM"), and these tests
+    # run NATS, a dispatcher and a worker beside the engine.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from gpu_worker.vllm_engine import VllmEngine, VllmEngineConfig
 
     engine = VllmEngine(
