@@ -78,7 +78,6 @@ from bench.preemption_fleet import (  # noqa: E402
     PFleet,
     Req,
     Tracker,
-    free_port,
     held,
     probe,
     probe_record,
@@ -87,7 +86,7 @@ from bench.preemption_fleet import (  # noqa: E402
     wait_until,
 )
 from bench.preemption_report import HOW_TO_READ, TITLE, report  # noqa: E402
-from fairlane.embedded import NatsServer  # noqa: E402
+from fairlane.embedded import NatsServer, free_port  # noqa: E402
 from producer.client import FairlaneClient, RequestError  # noqa: E402
 from producer.spec import new_request_id  # noqa: E402
 

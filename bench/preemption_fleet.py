@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import random
-import socket
 import sys
 import time
 import urllib.request
@@ -72,12 +71,6 @@ def tier_of(tenant: str) -> str:
 
 
 # --- the fleet, with the dispatcher's metrics port and preemption events ------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

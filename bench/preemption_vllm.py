@@ -76,11 +76,11 @@ from bench.preemption_vllm_proc import (  # noqa: E402
     TIER,
     DispatcherProc,
     WorkerProc,
-    free_port,
     problems,
     tenants_yaml,
     wait_idle,
 )
+from fairlane.embedded import free_port  # noqa: E402
 
 POOL = "bench"
 MAX_MODEL_LEN = 1024

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -55,12 +54,6 @@ def tenants_yaml(variant: str, pool: str, quantum: int, max_tokens: int) -> str:
         # A floods, B probes, W warms the path up before a run (never measured).
         *(f"  {t}: {{tier: {TIER}, weight: 1}}" for t in "ABW"),
     ]) + "\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
