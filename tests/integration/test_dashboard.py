@@ -95,7 +95,7 @@ async def _pool(http: httpx.AsyncClient) -> dict | None:
 
 
 async def test_dashboard_data_shows_both_tenants_under_load(nats_server, uid, tmp_path):
-    async with dashboard_fleet(nats_server.url, uid, tmp_path) as fleet, \
+    async with dashboard_fleet(nats_server.url, uid, tmp_path, time_scale=1.0) as fleet, \
             httpx.AsyncClient(base_url=fleet.url, timeout=60) as http:
 
         async def send(key: str, i: int) -> int:
@@ -117,7 +117,9 @@ async def test_dashboard_data_shows_both_tenants_under_load(nats_server, uid, tm
             seen.update(pool=pool, rows=rows)
             return busy == {"alpha", "beta"}
 
-        # Two slots, twelve requests: both tenants have work waiting and running.
+        # Two slots, twelve requests: both tenants have work waiting and running. At
+        # time scale 1.0 that lasts ~1.5 s, several 0.2 s stats snapshots (at 0.5 a CI
+        # run's whole load was over in 0.8 s and no snapshot caught both queued).
         await wait_until(both_busy, timeout_s=30, interval_s=0.1)
         pool, rows = seen["pool"], seen["rows"]
         stats = pool["stats"]
