@@ -2,6 +2,8 @@
 # Install everything the test suite needs, lint, then run every tier of it.
 #   bash scripts/test.sh            # ruff + all tiers: unit, integration, e2e, chaos, vllm
 #   FAIRLANE_SKIP_VLLM=1 bash scripts/test.sh   # the one way to leave the vLLM tier out
+# Each tier has a whole-tier time limit (FAIRLANE_{UNIT,INTEGRATION,VLLM}_LIMIT_S: 900,
+# 2400, 1200 s); a tier that passes it is stopped and counted as failed.
 #
 # Nothing passes by accident: a tier that collects no test fails (pytest exit 5), an
 # unknown marker fails (--strict-markers in pyproject.toml), a ruff finding fails, and
@@ -56,13 +58,19 @@ count() {  # "<N> <word>" from a pytest summary line, or 0
   echo "$1" | grep -oE "[0-9]+ $2" | grep -oE "[0-9]+" || echo 0
 }
 
-run_tier() {
-  local marker=$1; shift
-  echo "== pytest -m \"$marker\""
+run_tier() {  # marker, the whole tier's time limit in seconds, pytest arguments
+  local marker=$1 limit_s=$2; shift 2
+  echo "== pytest -m \"$marker\" (tier limit ${limit_s}s)"
   set +e
-  "$PY" -m pytest -m "$marker" -q -p no:cacheprovider "$@" 2>&1 | tee "$LOG"
+  # Every test has its own timeout (pyproject.toml), but a test that wedges the session's
+  # event loop can outlive it; the tier's limit makes sure CI still ends and reports.
+  timeout --kill-after=60 "$limit_s" \
+    "$PY" -m pytest -m "$marker" -q -p no:cacheprovider "$@" 2>&1 | tee "$LOG"
   local rc=${PIPESTATUS[0]}
   set -e
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "tier $marker did not finish within ${limit_s}s: stopped"
+  fi
   # The closing line: "3 passed, 1 failed, 2 errors in 4.2s" (with or without ===).
   local summary
   summary=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran" "$LOG" \
@@ -80,15 +88,15 @@ run_tier() {
   fi
 }
 
-run_tier unit tests
-run_tier "integration or e2e or chaos" tests
+run_tier unit "${FAIRLANE_UNIT_LIMIT_S:-900}" tests
+run_tier "integration or e2e or chaos" "${FAIRLANE_INTEGRATION_LIMIT_S:-2400}" tests
 if [ -z "${FAIRLANE_SKIP_VLLM:-}" ]; then
   if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
     echo "vLLM is not importable: the vllm tier cannot run (FAIRLANE_SKIP_VLLM=1 skips it)"
     "$PY" -c "import vllm" 2>&1 | tail -n 3 || true
     fail_step vllm 1
   else
-    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} run_tier vllm tests
+    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} run_tier vllm "${FAIRLANE_VLLM_LIMIT_S:-1200}" tests
   fi
 else
   echo "== vllm tier skipped (FAIRLANE_SKIP_VLLM is set)"
