@@ -1,21 +1,39 @@
 """The dispatcher's ingest rate vs raw nats-py on the same server: `python bench/bench_ingest.py`.
 
 All on one nats-server (loopback, JetStream file storage), same stream config as
-production (`fairlane.streams.requests_config`), same payloads (encoded
-`InferenceRequest`s with ``Nats-Msg-Id`` and reply headers, as the producer sends):
+production (`fairlane.streams.ensure_streams`), same payloads (encoded
+`InferenceRequest`s over 50 tenants with ``Nats-Msg-Id`` and reply headers, as the
+producer sends), the same N (``--n``, 20,000) for every variant, each run on a fresh
+stream of its own (deleted after it). Every rate is N ÷ an elapsed time on ONE clock,
+`time.perf_counter` (CLOCK_MONOTONIC on Linux, which is system-wide, so the puller
+child's reading is on the same clock; checked at start). What is timed:
 
-1. raw JetStream publish, sync (`js.publish`, one ack round trip each);
-2. raw JetStream publish, async (`js.publish_async`, acks awaited in windows);
-3. raw pull consumer, `fetch(batch)` with the dispatcher's batch size: fetch only
-   (messages held un-acked, as the dispatcher holds them) and fetch + ack each;
-4. the dispatcher (in this process, as `python -m dispatcher` builds it, no workers):
-   N requests published first, then time from `start()` until
-   ``scheduler.num_queued == N``;
-5. the same with a stream of pulls draining the queue: a worker-like peer in a child
-   process long-polls ``fl.work.<pool>`` (several pulls outstanding) and the time is
-   until it has received all N.
+- ``publish-sync``: raw `js.publish` awaited one by one, from the first publish to the
+  last ack received.
+- ``publish-async``: raw `js.publish_async`, acks gathered per 1,000, from the first
+  publish to the last ack received.
+- ``fetch-held``: N published first (not timed); a raw pull consumer (the dispatcher's
+  consumer config) `fetch(batch)`s them, from the first fetch call to the last message
+  received, messages left un-acked (as the dispatcher holds them).
+- ``fetch-ack``: the same, acking each message; until the last ack is flushed.
+- ``ingest``: N published first; the dispatcher (in this process, as `python -m
+  dispatcher` builds it, no workers) from its first fetch call to the N-th request
+  through `Dispatcher._ingest` (decoded, checked, queued, held).
+- ``ingest-dispatch``: the same with a worker-like peer in a child process
+  long-polling ``<prefix>.work.<pool>`` (``--pullers`` pulls of ``--max-items``
+  outstanding), from the dispatcher's first fetch call to the peer holding N distinct
+  requests.
 
-Bounded: well under 3 minutes. ``--profile`` adds a cProfile of run 4.
+Variants run interleaved (`bench.harness.run_interleaved`: every variant once per
+repetition, the order reversed every other one), ``--reps`` (5) repetitions after one
+untimed warm-up repetition of ``--warmup-n`` requests. Reported: median (min–max) over
+repetitions; ratios to ``fetch-held`` paired within a repetition. The in-process runs
+also record this process's garbage-collector pauses inside the timed window.
+
+Results: bench/results/ingest.md and ingest.json via `bench.harness.write_results`;
+tables by bench/render_ingest.py (which renders BENCHMARKS.md's too). About 3 minutes.
+``--profile`` adds a cProfile of one extra ``ingest`` and ``ingest-dispatch`` run each
+(after the measured ones, not counted: the profiler slows them) to the markdown.
 """
 
 from __future__ import annotations
@@ -24,25 +42,29 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import datetime as dt
+import gc
 import io
 import json
+import os
 import pstats
-import statistics
+import signal
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import nats  # noqa: E402
 import uvloop  # noqa: E402
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy  # noqa: E402
 
-from bench.common import git_rev, machine  # noqa: E402
+from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
+from bench.render_ingest import HOW_TO_READ, VARIANTS, note_for, report  # noqa: E402
 from dispatcher.config import DispatcherSettings  # noqa: E402
 from dispatcher.service import Dispatcher  # noqa: E402
 from fairlane.embedded import NatsServer, find_nats_server  # noqa: E402
@@ -61,11 +83,9 @@ from fairlane.tenants import TenantsWatcher  # noqa: E402
 POOL = "default"  # the only pool of the default tenants config
 TIER = "standard"
 NUM_TENANTS = 50
-
-
-def make_dispatcher(ds: DispatcherSettings) -> Dispatcher:
-    """A dispatcher configured as `python -m dispatcher` does (default tenants)."""
-    return Dispatcher(ds, tenants=TenantsWatcher(ds.tenants_file or None))
+RESULTS = ROOT / "bench" / "results" / "ingest.md"
+TITLE = "bench_ingest: dispatcher ingest rate vs raw nats-py"
+CLOCK = "time.perf_counter"
 
 
 def server_version() -> str:
@@ -78,7 +98,7 @@ def server_version() -> str:
 
 def requests(subjects: Subjects, n: int) -> list[tuple[str, bytes, dict]]:
     """(subject, body, headers) exactly as `FairlaneClient.submit_request` publishes."""
-    inbox = subjects.inbox_prefix("bench") if hasattr(subjects, "inbox_prefix") else "_INBOX.b"
+    inbox = subjects.inbox_prefix("bench")
     out = []
     for i in range(n):
         tenant = f"t{i % NUM_TENANTS}"
@@ -92,14 +112,123 @@ def requests(subjects: Subjects, n: int) -> list[tuple[str, bytes, dict]]:
     return out
 
 
-async def publish_sync(js, msgs) -> float:
-    t0 = time.perf_counter()
-    for subj, body, hdrs in msgs:
-        await js.publish(subj, body, headers=hdrs)
-    return time.perf_counter() - t0
+class ProcessCost:
+    """This process's CPU time and garbage-collector pauses while entered: what the
+    dispatcher (the only busy thing in this process during its runs) spent."""
+
+    def __init__(self) -> None:
+        self.gc_pause_s, self.collections, self._t_gc = 0.0, [0, 0, 0], 0.0
+        self.cpu_s = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t_gc = time.perf_counter()
+        else:
+            self.gc_pause_s += time.perf_counter() - self._t_gc
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> ProcessCost:
+        gc.callbacks.append(self._cb)
+        self._cpu0 = time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cpu_s = time.process_time() - self._cpu0
+        gc.callbacks.remove(self._cb)
+
+    def figures(self) -> dict:
+        return {"gc_pause_s": round(self.gc_pause_s, 4), "gc_collections": self.collections,
+                "cpu_s": round(self.cpu_s, 4)}
+
+
+class TimedDispatcher(Dispatcher):
+    """The production dispatcher, stamping its first fetch call and the moment the
+    `until`-th request came out of `_ingest`, on the bench's clock."""
+
+    def __init__(self, *a, until: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.until, self.ingested = until, 0
+        self.t_first_fetch: float | None = None
+        self.t_last_ingest: float | None = None
+        self.all_ingested = asyncio.Event()
+
+    async def _consumer(self, tier: str):
+        sub = await super()._consumer(tier)
+        fetch = sub.fetch
+
+        async def timed_fetch(*a, **kw):
+            if self.t_first_fetch is None:
+                self.t_first_fetch = time.perf_counter()
+            return await fetch(*a, **kw)
+
+        sub.fetch = timed_fetch
+        return sub
+
+    async def _ingest(self, msg) -> None:
+        await super()._ingest(msg)
+        self.ingested += 1
+        if self.ingested == self.until:
+            self.t_last_ingest = time.perf_counter()
+            self.all_ingested.set()
+
+
+class Bench:
+    """One nats-server and connection for every run; `run_one(variant, rep)`."""
+
+    def __init__(self, args, url: str, nc, n: int, profile: bool = False) -> None:
+        self.args, self.url, self.nc, self.js, self.n = args, url, nc, nc.jetstream(), n
+        self.profiles: dict[str, str] | None = {} if profile else None  # variant -> top fns
+
+    async def run_one(self, variant: str, rep: int) -> dict:
+        s = Subjects(f"bi{uuid.uuid4().hex[:10]}")
+        await ensure_streams(self.js, s)
+        msgs = requests(s, self.n)
+        try:
+            if variant == "publish-sync":
+                m = await self.publish_sync(msgs)
+            elif variant == "publish-async":
+                m = {"elapsed_s": await publish_async(self.js, msgs)}
+            else:
+                await publish_async(self.js, msgs)  # the backlog to consume: not timed
+                m = await self.consume(variant, s)
+        finally:
+            await self.drop_streams(s)
+        m = {"n": self.n, **m, "rate": self.n / m["elapsed_s"]}
+        print(f"    {variant} rep {rep}: {m['rate']:,.0f} requests/s", file=sys.stderr, flush=True)
+        return m
+
+    async def publish_sync(self, msgs) -> dict:
+        t0 = time.perf_counter()
+        for subj, body, hdrs in msgs:
+            await self.js.publish(subj, body, headers=hdrs)
+        return {"elapsed_s": time.perf_counter() - t0}
+
+    async def consume(self, variant: str, s: Subjects) -> dict:
+        if variant in ("fetch-held", "fetch-ack"):
+            return await raw_fetch(self.nc, self.js, s, self.n, self.args.batch,
+                                   ack=variant == "fetch-ack")
+        prof = None
+        if self.profiles is not None and variant not in self.profiles:
+            prof = cProfile.Profile()
+        if variant == "ingest":
+            m = await dispatcher_ingest(self.url, s, self.n, self.args.batch, prof)
+        elif variant == "ingest-dispatch":
+            m = await dispatcher_drain(self.url, s, self.n, self.args, prof)
+        else:
+            raise ValueError(f"unknown variant {variant!r}")
+        if prof is not None:
+            self.profiles[variant] = profile_text(prof)
+        return m
+
+    async def drop_streams(self, s: Subjects) -> None:
+        """Each run's stream goes when the run ends: 20,000 requests are ~12 MB on disk."""
+        for name in (s.requests_stream, s.usage_stream, f"KV_{s.prefix}_leader"):
+            with contextlib.suppress(Exception):
+                await self.js.delete_stream(name)
 
 
 async def publish_async(js, msgs, window: int = 1000) -> float:
+    """Seconds from the first publish to the last ack received."""
     t0 = time.perf_counter()
     for i in range(0, len(msgs), window):
         futs = [await js.publish_async(s, b, headers=h) for s, b, h in msgs[i:i + window]]
@@ -107,7 +236,10 @@ async def publish_async(js, msgs, window: int = 1000) -> float:
     return time.perf_counter() - t0
 
 
-async def raw_fetch(js, subjects: Subjects, n: int, batch: int, ack: bool) -> float:
+async def raw_fetch(nc, js, subjects: Subjects, n: int, batch: int, ack: bool) -> dict:
+    """A pull consumer configured as the dispatcher's (`dispatcher.ingest`), created
+    before the clock starts; timed from the first fetch call to the N-th message
+    received (and, acking, to the acks flushed to the server)."""
     name = f"raw_{uuid.uuid4().hex[:8]}"
     cfg = ConsumerConfig(durable_name=name, name=name,
                          filter_subject=subjects.requests_tier(POOL, TIER),
@@ -116,61 +248,75 @@ async def raw_fetch(js, subjects: Subjects, n: int, batch: int, ack: bool) -> fl
     stream = subjects.requests_stream
     await js.add_consumer(stream, config=cfg)
     sub = await js.pull_subscribe_bind(durable=name, stream=stream)
-    got = 0
+    got = fetches = 0
     t0 = time.perf_counter()
     while got < n:
         try:
             msgs = await sub.fetch(batch, timeout=1.0)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, TimeoutError):
             continue
+        fetches += 1
         got += len(msgs)
         if ack:
             for m in msgs:
                 await m.ack()
-    dt_s = time.perf_counter() - t0
+    if ack:
+        await nc.flush()
+    elapsed = time.perf_counter() - t0
     await sub.unsubscribe()
-    await js.delete_consumer(stream, name)
-    return dt_s
+    return {"elapsed_s": elapsed, "fetches": fetches}
+
+
+def make_dispatcher(url: str, subjects: Subjects, n: int, batch: int) -> TimedDispatcher:
+    """A dispatcher configured as `python -m dispatcher` does (default tenants)."""
+    ds = DispatcherSettings(nats_url=url, prefix=subjects.prefix, pool=POOL, fetch_batch=batch,
+                            log_level="warning")
+    return TimedDispatcher(ds, tenants=TenantsWatcher(ds.tenants_file or None), until=n)
 
 
 async def dispatcher_ingest(url: str, subjects: Subjects, n: int, batch: int,
-                            profile: cProfile.Profile | None) -> tuple[float, float]:
-    """(seconds from start() to num_queued == n, seconds start() itself took)."""
-    ds = DispatcherSettings(nats_url=url, prefix=subjects.prefix, pool=POOL, fetch_batch=batch,
-                            log_level="warning")
-    d = make_dispatcher(ds)
-    if profile:
-        profile.enable()
-    t0 = time.perf_counter()
-    await d.start()
-    t_started = time.perf_counter() - t0
-    while d.scheduler.num_queued < n:
-        await asyncio.sleep(0.005)
-    elapsed = time.perf_counter() - t0
-    if profile:
-        profile.disable()
-    # Leave the messages un-acked for nobody: terminate nothing, just stop (nak back).
-    await d.stop()
-    return elapsed, t_started
-
-
-async def dispatcher_drain(url: str, subjects: Subjects, n: int, batch: int,
-                           pullers: int, max_items: int) -> tuple[float, int]:
-    ds = DispatcherSettings(nats_url=url, prefix=subjects.prefix, pool=POOL, fetch_batch=batch,
-                            log_level="warning")
-    peer = subprocess.Popen(
-        [sys.executable, __file__, "--puller", url, subjects.work(POOL), str(n), str(pullers),
-         str(max_items)], stdout=subprocess.PIPE, text=True)
-    try:
-        ready = peer.stdout.readline()  # the peer is connected and pulling
-        assert ready.strip() == "ready", ready
-        d = make_dispatcher(ds)
-        t0 = time.time()
+                            prof: cProfile.Profile | None) -> dict:
+    d = make_dispatcher(url, subjects, n, batch)
+    if prof:
+        prof.enable()
+    with ProcessCost() as cost:  # from start(): a few ms more than the timed window
+        t_start = time.perf_counter()
         await d.start()
-        line = await asyncio.get_running_loop().run_in_executor(None, peer.stdout.readline)
+        start_s = time.perf_counter() - t_start
+        await asyncio.wait_for(d.all_ingested.wait(), 300)
+    if prof:
+        prof.disable()
+    queued = d.scheduler.num_queued
+    await d.stop()  # un-acked messages go back to the stream, which is dropped next
+    return {"elapsed_s": d.t_last_ingest - d.t_first_fetch, "start_s": start_s,
+            "queued_at_end": queued, **cost.figures()}
+
+
+async def dispatcher_drain(url: str, subjects: Subjects, n: int, args,
+                           prof: cProfile.Profile | None) -> dict:
+    peer = subprocess.Popen(
+        [sys.executable, __file__, "--puller", url, subjects.work(POOL), str(n),
+         str(args.pullers), str(args.max_items)], stdout=subprocess.PIPE, text=True)
+    loop = asyncio.get_running_loop()
+    try:
+        ready = await loop.run_in_executor(None, peer.stdout.readline)
+        if ready.strip() != "ready":
+            raise RuntimeError(f"puller did not start: {ready!r}")
+        d = make_dispatcher(url, subjects, n, args.batch)
+        if prof:
+            prof.enable()
+        with ProcessCost() as cost:  # from start() to the peer's report read
+            await d.start()
+            line = await asyncio.wait_for(loop.run_in_executor(None, peer.stdout.readline),
+                                          300)
+        if prof:
+            prof.disable()
         res = json.loads(line)
+        queued, in_flight = d.scheduler.num_queued, d.scheduler.num_in_flight
         await d.stop()
-        return res["t_done"] - t0, res["pulls"]
+        return {"elapsed_s": res["t_done"] - d.t_first_fetch, "pulls": res["pulls"],
+                "duplicates": res["duplicates"], "queued_at_end": queued,
+                "in_flight_at_end": in_flight, **cost.figures()}
     finally:
         if peer.poll() is None:
             peer.terminate()
@@ -178,14 +324,16 @@ async def dispatcher_drain(url: str, subjects: Subjects, n: int, batch: int,
 
 
 async def puller_main(url: str, subject: str, n: int, pullers: int, max_items: int) -> None:
-    """Child process: `pullers` concurrent long-polls, like workers with room."""
+    """Child process: `pullers` concurrent long-polls, like workers with room. Reports
+    (on stdout) the perf_counter reading at which it held n distinct requests."""
     nc = await nats.connect(url)
-    got = 0
-    pulls = 0
+    seen: set[str] = set()
+    pulls = duplicates = 0
     done = asyncio.Event()
+    t_done = 0.0
 
     async def loop(k: int) -> None:
-        nonlocal got, pulls
+        nonlocal pulls, duplicates, t_done
         pull = encode(PullRequest(worker_id=f"bench-w{k}", pool=POOL, max_items=max_items,
                                   wait_ms=1000))
         while not done.is_set():
@@ -195,105 +343,84 @@ async def puller_main(url: str, subject: str, n: int, pullers: int, max_items: i
                 await asyncio.sleep(0.005)
                 continue
             pulls += 1
-            got += len(decode_work_batch(msg.data).items)
-            if got >= n:
+            for item in decode_work_batch(msg.data).items:
+                rid = item.request.request_id
+                duplicates += rid in seen
+                seen.add(rid)
+            if len(seen) >= n and not done.is_set():
+                t_done = time.perf_counter()
                 done.set()
 
     print("ready", flush=True)
     tasks = [asyncio.create_task(loop(k)) for k in range(pullers)]
     await done.wait()
-    t_done = time.time()
     for t in tasks:
         t.cancel()
-    print(json.dumps({"t_done": t_done, "got": got, "pulls": pulls}), flush=True)
+    print(json.dumps({"t_done": t_done, "got": len(seen), "pulls": pulls,
+                      "duplicates": duplicates}), flush=True)
     await nc.close()
 
 
-async def main_async(args) -> str:
-    n, batch = args.n, args.batch
+def profile_text(prof: cProfile.Profile, top: int = 25) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return "\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip())
+
+
+def check_clock() -> None:
+    """The puller child's reading is compared with this process's: both must read the
+    same system-wide clock."""
+    impl = time.get_clock_info("perf_counter").implementation
+    if "CLOCK_MONOTONIC" not in impl:
+        raise SystemExit(f"perf_counter is {impl}, not CLOCK_MONOTONIC: the ingest-dispatch "
+                         "row would compare two processes' clocks")
+
+
+async def run(args) -> tuple[list, list, dict, dict]:
+    setup = {"n": args.n, "batch": args.batch, "pullers": args.pullers,
+             "max_items": args.max_items, "reps": args.reps, "warmup_n": args.warmup_n,
+             "num_tenants": NUM_TENANTS, "body_bytes": len(requests(Subjects("x"), 1)[0][1]),
+             "nats_version": server_version(), "clock": CLOCK, "variants": list(VARIANTS),
+             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     server = NatsServer().start()
-    rows: list[tuple[str, float, str]] = []
-    prof = cProfile.Profile() if args.profile else None
     try:
         nc = await nats.connect(server.url)
-        js = nc.jetstream()
-
-        # 1, 2: publish rates (each on its own prefix = its own stream).
-        s_sync = Subjects(f"bs{uuid.uuid4().hex[:8]}")
-        await ensure_streams(js, s_sync)
-        m_sync = requests(s_sync, n)
-        t = await publish_sync(js, m_sync)
-        rows.append(("raw JetStream publish, sync (await js.publish each)", n / t, f"{t:.2f} s for N"))
-
-        # 2-4, interleaved over reps (the machine is shared: medians of side-by-side runs).
-        pub, held, acked, disp = [], [], [], []
-        t_start = 0.0
-        for _ in range(args.reps):
-            s_raw = Subjects(f"br{uuid.uuid4().hex[:8]}")
-            await ensure_streams(js, s_raw)
-            pub.append(n / await publish_async(js, requests(s_raw, n)))
-            held.append(n / await raw_fetch(js, s_raw, n, batch, ack=False))
-            # Same messages again (still un-acked), this time acked.
-            acked.append(n / await raw_fetch(js, s_raw, n, batch, ack=True))
-            s_d = Subjects(f"bd{uuid.uuid4().hex[:8]}")
-            await ensure_streams(js, s_d)
-            await publish_async(js, requests(s_d, n))
-            t, t_start = await dispatcher_ingest(server.url, s_d, n, batch,
-                                                 prof if not disp else None)
-            disp.append(n / t)
-
-        def agg(xs: list[float]) -> tuple[float, str]:
-            return statistics.median(xs), f"median of {len(xs)}: " + ", ".join(f"{x:,.0f}" for x in xs)
-
-        rows.append(("raw JetStream publish_async, acks gathered per 1,000", *agg(pub)))
-        rows.append((f"raw pull fetch({batch}), held un-acked (as the dispatcher holds)", *agg(held)))
-        raw_fetch_rate = statistics.median(held)
-        rows.append((f"raw pull fetch({batch}) + ack each", *agg(acked)))
-        disp_rate, detail = agg(disp)
-        rows.append((f"dispatcher ingest, fetch_batch={batch}, no workers (start() until num_queued == N)",
-                     disp_rate, f"{detail} (start() itself {t_start * 1000:.0f} ms)"))
-
-        # 5: the dispatcher with pulls draining.
-        s_w = Subjects(f"bw{uuid.uuid4().hex[:8]}")
-        await ensure_streams(js, s_w)
-        await publish_async(js, requests(s_w, n))
-        t, pulls = await dispatcher_drain(server.url, s_w, n, batch, args.pullers, args.max_items)
-        drain_rate = n / t
-        rows.append((f"dispatcher ingest + dispatch, {args.pullers} concurrent pulls of "
-                     f"max_items={args.max_items} (until all N received)", drain_rate,
-                     f"{t:.2f} s for N, {pulls} pulls"))
+        t_bench = time.perf_counter()
+        warm = Bench(args, server.url, nc, args.warmup_n)
+        warmup = await run_interleaved(VARIANTS, 1, warm.run_one)
+        bench = Bench(args, server.url, nc, args.n)
+        records = await run_interleaved(VARIANTS, args.reps, bench.run_one)
+        setup["bench_s"] = round(time.perf_counter() - t_bench, 1)
+        profiles = {}
+        if args.profile:  # extra runs after the measured ones: a profiler slows its run
+            profiled = Bench(args, server.url, nc, args.n, profile=True)
+            for variant in ("ingest", "ingest-dispatch"):
+                await profiled.run_one(variant, -1)
+            profiles = profiled.profiles
         await nc.close()
     finally:
         server.stop()
+    setup["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return records, warmup, setup, profiles
 
-    cmd = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
-    lines = [
-        "# bench_ingest: dispatcher ingest rate vs raw nats-py",
-        "",
-        f"- command: `{cmd}`",
-        f"- machine: {machine()}",
-        f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; code: {git_rev()}",
-        f"- N = {n:,} requests ({NUM_TENANTS} tenants, one tier, ~{len(m_sync[0][1])} B bodies "
-        f"+ Nats-Msg-Id/reply headers), fetch batch {batch}; one nats-server {server_version()} "
-        "(loopback, JetStream file storage, production stream config); uvloop; each row in turn "
-        "on its own stream",
-        "",
-        "| what | requests/s | detail (requests/s per rep, or time) |",
-        "|---|---:|---|",
-    ]
-    for what, rate, t in rows:
-        lines.append(f"| {what} | {rate:,.0f} | {t} |")
-    lines += [
-        "",
-        f"- ratio dispatcher ingest / raw fetch (held): **{disp_rate / raw_fetch_rate:.2f}**",
-        f"- ratio dispatcher ingest+dispatch / raw fetch (held): **{drain_rate / raw_fetch_rate:.2f}**",
-    ]
-    if prof is not None:
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-        lines += ["", "## cProfile of the dispatcher ingest run (by own time, top 25)", "",
-                  "```", *[ln for ln in buf.getvalue().splitlines() if ln.strip()][:40], "```"]
-    return "\n".join(lines) + "\n"
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20_000, help="requests per run (every variant)")
+    ap.add_argument("--batch", type=int, default=DispatcherSettings().fetch_batch)
+    ap.add_argument("--pullers", type=int, default=4, help="concurrent pulls (ingest-dispatch)")
+    ap.add_argument("--max-items", type=int, default=36, help="items per pull (32 seqs + 4)")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
+    ap.add_argument("--warmup-n", type=int, default=2_000,
+                    help="requests per variant in the untimed warm-up repetition")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile an extra (uncounted) ingest and ingest-dispatch run")
+    ap.add_argument("--output", type=Path, default=RESULTS,
+                    help="results markdown; the JSON goes beside it (same stem)")
+    a = ap.parse_args(argv)
+    if min(a.n, a.reps, a.warmup_n, a.batch, a.pullers, a.max_items) < 1:
+        ap.error("--n, --reps, --warmup-n, --batch, --pullers, --max-items must be >= 1")
+    return a
 
 
 def main() -> int:
@@ -301,21 +428,23 @@ def main() -> int:
         url, subject, n, pullers, max_items = sys.argv[2:7]
         uvloop.run(puller_main(url, subject, int(n), int(pullers), int(max_items)))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=20_000)
-    ap.add_argument("--batch", type=int, default=DispatcherSettings().fetch_batch)
-    ap.add_argument("--pullers", type=int, default=4, help="concurrent pulls in the drain run")
-    ap.add_argument("--max-items", type=int, default=36, help="items per pull (32 seqs + 4)")
-    ap.add_argument("--reps", type=int, default=3, help="side-by-side reps of rows 2-4")
-    ap.add_argument("--profile", action="store_true", help="cProfile the dispatcher ingest run")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ingest.md"))
-    args = ap.parse_args()
+    args = parse_args()
+    # SIGTERM (a timeout) unwinds like Ctrl-C, so `run`'s finally stops nats-server.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    check_clock()
     configure_logging("warning", False)
-    report = uvloop.run(main_async(args))
-    print(report)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report)
+    meta = RunMeta.here()
+    records, warmup, setup, profiles = uvloop.run(run(args))
+    data = {"setup": setup, "warmup": [asdict(r) for r in warmup],
+            "records": [asdict(r) for r in records]}
+    data["note"] = note_for(data)
+    body = report(data)
+    for variant, text in profiles.items():
+        body += (f"\n## cProfile of an extra `{variant}` run, not counted (by own time)\n\n"
+                 f"```\n{text}\n```\n")
+    md, js = write_results(args.output, TITLE, body, data, meta, HOW_TO_READ)
+    print(body)
+    print(f"-> {md}, {js}", file=sys.stderr)
     return 0
 
 

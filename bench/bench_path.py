@@ -1,22 +1,29 @@
 """TTFT overhead of the request path at light load: `python bench/bench_path.py`.
 
-One request at a time (closed loop, concurrency 1), small ``max_tokens``, the default
-simulator step-time model at ``time_scale`` 1.0 (real time). Variants, run side by side in
-interleaved rounds so that drift on a shared machine hits all of them alike:
+One request at a time (closed loop, concurrency 1), ``max_tokens`` 4 (a short request:
+the figure is the time to the FIRST token, not throughput), the default simulator
+step-time model at ``time_scale`` 1.0 (real time). Variants:
 
 - ``direct``: `SimEngine.generate()` called in this process: the engine's own TTFT
   (one simulated step), the floor every other variant is compared with.
-- ``inproc``: producer (`FairlaneClient`) -> nats-server -> `Dispatcher` -> `Worker`
-  with a `SimEngine`, dispatcher and worker in THIS process (one event loop), so the
-  difference to ``direct`` is the logic + NATS hops without process hops.
-- ``procs``: the same with ``python -m dispatcher`` and ``python -m gpu_worker`` as
-  separate processes, as in production.
+- ``inproc`` / ``inproc-c0``: producer (`FairlaneClient`) -> nats-server ->
+  `Dispatcher` -> `Worker` with a `SimEngine`, dispatcher and worker in THIS process
+  (one event loop): the logic + NATS hops without process hops; the worker's default
+  ``coalesce_ms`` (5), and 0.
+- ``procs`` / ``procs-c0``: the same with ``python -m dispatcher`` and ``python -m
+  gpu_worker`` as separate processes, as in production (the headline: ``procs``).
 
-Each fleet variant runs with the worker's default ``coalesce_ms`` (5) and with 0, because
-the worker holds the FIRST token up to ``coalesce_ms`` too (see the results file).
+Every variant is started once; then a warm-up (``--warmup`` requests per variant, on
+the measured workload, not counted) and ``--reps`` (5) repetitions of
+``--per-rep`` (100) requests per variant, interleaved by `bench.harness.run_interleaved`
+(every variant once per repetition, the order reversed every other one), so the pooled
+samples per variant (500) give a p99. TTFT is measured on ONE clock,
+`time.perf_counter`, for every variant: from just before the producer's `submit()` to
+its first chunk (``direct``: from `generate()` to the first delta).
 
-TTFT is measured by the producer: monotonic time from just before `submit()` to the
-first chunk out of the stream. Bounded: well under 3 minutes.
+Results: bench/results/path.md and path.json (every request's TTFT, per variant and
+repetition) via `bench.harness.write_results`; the tables are bench/render_path.py's,
+which also renders BENCHMARKS.md's. About a minute with the defaults.
 """
 
 from __future__ import annotations
@@ -24,21 +31,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import uvloop  # noqa: E402
 
-from bench.common import git_rev, machine, quantile  # noqa: E402
+from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
+from bench.render_path import HOW_TO_READ, VARIANTS, report  # noqa: E402
 from dispatcher.config import DispatcherSettings  # noqa: E402
 from dispatcher.service import Dispatcher  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
@@ -55,6 +65,8 @@ POOL = "default"  # the only pool of the default tenants config
 TENANT = "bench"
 TIER = "standard"  # explicit: no tier look-up round trip on the measured path
 PROMPT = "Say hello to the benchmark."
+RESULTS = ROOT / "bench" / "results" / "path.md"
+TITLE = "bench_path: TTFT overhead of the request path at light load"
 
 
 def make_dispatcher(ds: DispatcherSettings) -> Dispatcher:
@@ -66,7 +78,7 @@ def make_dispatcher(ds: DispatcherSettings) -> Dispatcher:
 
 
 class Direct:
-    name = "direct (SimEngine in-process)"
+    name = "direct"
 
     def __init__(self, args) -> None:
         self.engine = SimEngine(args.step_model, time_scale=args.time_scale)
@@ -96,8 +108,9 @@ class Fleet:
 
     def __init__(self, args, url: str, procs: bool, coalesce_ms: int) -> None:
         self.args, self.url, self.procs, self.coalesce_ms = args, url, procs, coalesce_ms
-        where = "separate processes" if procs else "in-process"
-        self.name = f"{'procs' if procs else 'inproc'}: dispatcher+worker {where}, coalesce_ms={coalesce_ms}"
+        # render_path.VARIANTS: "procs", "inproc-c0", ...; the default coalesce_ms unnamed.
+        self.name = ("procs" if procs else "inproc") + ("" if coalesce_ms == 5 else
+                                                        f"-c{coalesce_ms}")
         self.subjects = Subjects(f"b{uuid.uuid4().hex[:10]}")
         self.children: list[subprocess.Popen] = []
         self.stop_event = asyncio.Event()
@@ -127,13 +140,13 @@ class Fleet:
             self.tasks.append(asyncio.create_task(self.worker.run(self.stop_event)))
         self.client = await FairlaneClient.connect(self.url, prefix=prefix)
         # Ready = one request makes it all the way through.
-        deadline = time.monotonic() + 30
+        deadline = time.perf_counter() + 30
         while True:
             try:
                 await asyncio.wait_for(self.one(), 5)
                 break
             except TimeoutError:
-                if time.monotonic() > deadline:
+                if time.perf_counter() > deadline:
                     raise RuntimeError(f"{self.name}: fleet not ready in 30 s") from None
 
     async def one(self) -> float:
@@ -165,61 +178,58 @@ class Fleet:
             await self.dispatcher.stop()
 
 
-async def main_async(args) -> str:
+class Bench:
+    """The variants, started once and shared by every repetition, and `run_one`."""
+
+    def __init__(self, variants: dict, per_run: int) -> None:
+        self.variants, self.per_run = variants, per_run
+
+    async def run_one(self, variant: str, rep: int) -> dict:
+        v = self.variants[variant]
+        ttft_ms = [await v.one() for _ in range(self.per_run)]
+        print(f"    {variant} rep {rep}: TTFT p50 {statistics.median(ttft_ms):.2f} ms",
+              file=sys.stderr, flush=True)
+        return {"ttft_ms": ttft_ms}
+
+
+def make_variants(args, url: str) -> dict:
+    """name -> variant, in render_path.VARIANTS order."""
+    made = [Direct(args)] + [Fleet(args, url, procs, c) for procs in (False, True)
+                             for c in (5, 0)]
+    by_name = {v.name: v for v in made}
+    assert set(by_name) == set(VARIANTS), sorted(by_name)
+    return {k: by_name[k] for k in VARIANTS}
+
+
+async def run(args) -> tuple[list, list, dict]:
+    setup = {"reps": args.reps, "per_rep": args.per_rep, "warmup": args.warmup,
+             "max_tokens": args.max_tokens, "step_model": args.step_model,
+             "time_scale": args.time_scale, "nats_version": server_version(),
+             "clock": "time.perf_counter", "variants": list(VARIANTS), "start_s": {},
+             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     server = NatsServer().start()
-    variants: list = []
+    variants: dict = {}
     try:
-        variants = [Direct(args)]
-        for procs in (False, True):
-            for c in (5, 0):
-                variants.append(Fleet(args, server.url, procs, c))
-        for v in variants:
+        variants = make_variants(args, server.url)
+        for name, v in variants.items():
             t = time.perf_counter()
             await v.start()
-            print(f"started {v.name} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-        for v in variants:  # warm-up (imports, first-call costs, JIT-free but cache-y)
-            for _ in range(args.warmup):
-                await v.one()
-        samples: dict[str, list[float]] = {v.name: [] for v in variants}
-        per_round = max(1, args.n // args.rounds)
-        t_start = time.perf_counter()
-        for _ in range(args.rounds):
-            for v in variants:
-                for _ in range(per_round):
-                    samples[v.name].append(await v.one())
-        elapsed = time.perf_counter() - t_start
+            setup["start_s"][name] = round(time.perf_counter() - t, 2)
+            print(f"started {name} in {setup['start_s'][name]:.1f} s", file=sys.stderr)
+        t_bench = time.perf_counter()
+        # Warm-up on the measured workload (first-call costs, connections, caches),
+        # every variant in turn, not counted.
+        warmup = await run_interleaved(list(variants), 1, Bench(variants, args.warmup).run_one)
+        records = await run_interleaved(list(variants), args.reps,
+                                        Bench(variants, args.per_rep).run_one)
+        setup["bench_s"] = round(time.perf_counter() - t_bench, 1)
     finally:
-        for v in variants:
+        for v in variants.values():
             with contextlib.suppress(Exception):
                 await v.stop()
         server.stop()
-
-    base = samples[variants[0].name]
-    b50, b99 = quantile(base, 0.5), quantile(base, 0.99)
-    cmd = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
-    lines = [
-        "# bench_path: TTFT at light load (one request at a time)",
-        "",
-        f"- command: `{cmd}`",
-        f"- machine: {machine()}",
-        f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; code: {git_rev()}",
-        f"- {len(base)} requests per variant, in {args.rounds} interleaved rounds; "
-        f"max_tokens={args.max_tokens}; step model `{args.step_model}`, time_scale={args.time_scale}; "
-        f"uvloop; nats-server {server_version()} on loopback; measured phase {elapsed:.1f} s",
-        "- TTFT = producer-side time from before `submit()` to the first chunk "
-        "(direct: from `generate()` to the first delta)",
-        "",
-        "| variant | n | p50 ms | p99 ms | mean ms | overhead p50 ms | overhead p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for v in variants:
-        xs = samples[v.name]
-        p50, p99 = quantile(xs, 0.5), quantile(xs, 0.99)
-        lines.append(f"| {v.name} | {len(xs)} | {p50:.2f} | {p99:.2f} | {statistics.fmean(xs):.2f} "
-                     f"| {p50 - b50:+.2f} | {p99 - b99:+.2f} |")
-    lines.append("")
-    lines.append("overhead = variant minus `direct` at the same percentile.")
-    return "\n".join(lines) + "\n"
+    setup["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return records, warmup, setup
 
 
 def server_version() -> str:
@@ -230,22 +240,38 @@ def server_version() -> str:
     return "?"
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=200, help="requests per variant")
-    ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="interleaved repetitions (every variant once in each)")
+    ap.add_argument("--per-rep", type=int, default=100,
+                    help="requests per variant per repetition (x reps >= 200: a pooled p99)")
+    ap.add_argument("--warmup", type=int, default=10,
+                    help="untimed requests per variant before the first repetition")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--step-model", default="default")
     ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "path.md"))
-    args = ap.parse_args()
+    ap.add_argument("--output", type=Path, default=RESULTS,
+                    help="results markdown; the JSON goes beside it (same stem)")
+    a = ap.parse_args(argv)
+    if a.reps < 1 or a.per_rep < 1 or a.warmup < 0:
+        ap.error("--reps and --per-rep must be >= 1, --warmup >= 0")
+    return a
+
+
+def main() -> int:
+    args = parse_args()
+    # SIGTERM (a timeout) unwinds like Ctrl-C, so `run`'s finally stops nats-server.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     configure_logging("warning", False)
-    report = uvloop.run(main_async(args))
-    print(report)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report)
+    meta = RunMeta.here()
+    records, warmup, setup = uvloop.run(run(args))
+    data = {"setup": setup, "warmup": warmup, "records": records}
+    body = report({"setup": setup, "warmup": [asdict(r) for r in warmup],
+                   "records": [asdict(r) for r in records]})
+    md, js = write_results(args.output, TITLE, body, data, meta, HOW_TO_READ)
+    print(body)
+    print(f"-> {md}, {js}", file=sys.stderr)
     return 0
 
 
