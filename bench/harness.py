@@ -205,11 +205,17 @@ def verdict(value: float, target: float, *, higher_is_better: bool = False) -> s
 # --- results files --------------------------------------------------------------------------
 
 
+RESULTS_PREFIX = "bench/results/"
+
+
 def format_commit(rev: str, porcelain: str) -> str:
     """The commit line: the short hash, + " dirty" when `git status --porcelain` (of
-    tracked files) printed anything."""
+    tracked files) names a changed file outside bench/results/: results files that this
+    or an earlier benchmark of the same batch rewrote are not changes to what ran."""
     rev = rev.strip() or "unknown"
-    return f"{rev} dirty" if porcelain.strip() else rev
+    changed = [line[3:].split(" -> ")[-1] for line in porcelain.splitlines() if line.strip()]
+    dirty = any(not path.startswith(RESULTS_PREFIX) for path in changed)
+    return f"{rev} dirty" if dirty else rev
 
 
 def git_commit(cwd: Path = ROOT) -> str:

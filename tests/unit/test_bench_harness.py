@@ -109,6 +109,11 @@ def test_format_commit():
     assert format_commit("abc1234\n", "") == "abc1234"
     assert format_commit("abc1234", " M bench/x.py\n") == "abc1234 dirty"
     assert format_commit("", "") == "unknown"
+    # Results files a benchmark batch rewrote are not changes to the code that ran.
+    assert format_commit("abc1234", " M bench/results/path.json\n") == "abc1234"
+    assert format_commit("abc1234", " M bench/results/a.md\n M dispatcher/x.py\n") == \
+        "abc1234 dirty"
+    assert format_commit("abc1234", "R  bench/results/a.md -> bench/b.py\n") == "abc1234 dirty"
 
 
 def test_command_line_quotes():
