@@ -100,11 +100,11 @@ async def test_dashboard_data_shows_both_tenants_under_load(nats_server, uid, tm
 
         async def send(key: str, i: int) -> int:
             r = await http.post("/v1/completions", headers=_bearer(key), json={
-                "model": POOL, "prompt": f"hello {i}", "max_tokens": 40})
+                "model": POOL, "prompt": f"hello {i}", "max_tokens": 80})
             assert r.status_code == 200, r.text
             return r.json()["usage"]["completion_tokens"]
 
-        load = [asyncio.create_task(send(k, i)) for i in range(6) for k in (KEY_ALPHA, KEY_BETA)]
+        load = [asyncio.create_task(send(k, i)) for i in range(10) for k in (KEY_ALPHA, KEY_BETA)]
         seen: dict = {}
 
         async def both_busy() -> bool:
@@ -117,10 +117,14 @@ async def test_dashboard_data_shows_both_tenants_under_load(nats_server, uid, tm
             seen.update(pool=pool, rows=rows)
             return busy == {"alpha", "beta"}
 
-        # Two slots, twelve requests: both tenants have work waiting and running. At
-        # time scale 1.0 that lasts ~1.5 s, several 0.2 s stats snapshots (at 0.5 a CI
-        # run's whole load was over in 0.8 s and no snapshot caught both queued).
-        await wait_until(both_busy, timeout_s=30, interval_s=0.1)
+        # Two slots, twenty requests of up to 80 tokens: both tenants have work waiting
+        # and running for several seconds, many 0.2 s stats snapshots (with twelve
+        # 40-token requests a contended CI run once saw no snapshot with both queued).
+        try:
+            await wait_until(both_busy, timeout_s=30, interval_s=0.1)
+        except TimeoutError:
+            raise AssertionError(f"never both busy; last tenants seen: {seen.get('rows')}") \
+                from None
         pool, rows = seen["pool"], seen["rows"]
         stats = pool["stats"]
         assert not pool["stale"] and pool["age_s"] < 2
@@ -142,7 +146,7 @@ async def test_dashboard_data_shows_both_tenants_under_load(nats_server, uid, tm
         assert alpha["queue_wait_p50_ms"] is not None and alpha["num_rejected"] == 0
 
         done = await asyncio.gather(*load)
-        assert len(done) == 12 and all(0 < n <= 40 for n in done)
+        assert len(done) == 20 and all(0 < n <= 80 for n in done)
 
         async def measured() -> bool:
             pool = await _pool(http)

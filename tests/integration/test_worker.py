@@ -147,6 +147,11 @@ class FakeDispatcher:
         c = self.chunks.get(rid)
         return bool(c) and c[-1].is_last
 
+    def complete(self, rid: str) -> bool:
+        """The last chunk AND the Finished event arrived: they travel on different
+        subjects (the reply subject, fl.evt), so either may be seen first."""
+        return self.finished(rid) and bool(self.of(Finished, rid))
+
 
 def work_item(subjects: Subjects, rid: str, *, out: int = 8, max_tokens: int = 512,
               prompt: str = "hello simulator " * 8, tenant: str = "acme",
@@ -199,7 +204,7 @@ async def test_streams_chunks_events_and_usage(nats_server, nc, uid, dispatcher)
         js = nc.jetstream()
         dispatcher.add(work_item(subjects, "r1", out=20, return_token_ids=True),
                        work_item(subjects, "r2", out=5))
-        await dispatcher.wait(lambda: dispatcher.finished("r1") and dispatcher.finished("r2"))
+        await dispatcher.wait(lambda: dispatcher.complete("r1") and dispatcher.complete("r2"))
         for rid, n in (("r1", 20), ("r2", 5)):
             chunks = dispatcher.chunks[rid]
             assert_ordered(chunks)
@@ -278,7 +283,7 @@ async def test_cancel_aborts_running_request(nats_server, nc, uid, dispatcher):
         await dispatcher.wait(lambda: len(dispatcher.chunks.get("k1", [])) >= 2)
         await nc.publish(subjects.cancel(POOL), encode(Cancel(request_id="k1", tenant="acme")))
         await nc.publish(subjects.cancel(POOL), encode(Cancel(request_id="unknown")))
-        await dispatcher.wait(lambda: dispatcher.finished("k1"))
+        await dispatcher.wait(lambda: dispatcher.complete("k1"))
         chunks = dispatcher.chunks["k1"]
         assert_ordered(chunks)
         assert chunks[-1].error is not None and chunks[-1].error.code == ErrorCode.CANCELLED
@@ -292,7 +297,7 @@ async def test_cancel_aborts_running_request(nats_server, nc, uid, dispatcher):
 async def test_prompt_too_long_is_an_error_chunk(nats_server, uid, dispatcher):
     async with worker_running(nats_server, uid, max_model_len=64):
         dispatcher.add(work_item(dispatcher.subjects, "big", prompt="x" * 1000))
-        await dispatcher.wait(lambda: dispatcher.finished("big"))
+        await dispatcher.wait(lambda: dispatcher.complete("big"))
     [chunk] = dispatcher.chunks["big"]
     assert chunk.seq == 0 and chunk.error.code == ErrorCode.PROMPT_TOO_LONG
     assert not chunk.error.retryable
@@ -307,6 +312,7 @@ async def test_engine_death_fails_every_request_and_exits_nonzero(nats_server, u
         dispatcher.add(*(work_item(subjects, f"d{i}", out=1000) for i in range(4)))
         rc = await asyncio.wait_for(task, 15)
     assert rc == EXIT_ENGINE_DEAD
+    await dispatcher.wait(lambda: all(dispatcher.complete(f"d{i}") for i in range(4)))
     for i in range(4):
         chunks = dispatcher.chunks[f"d{i}"]
         assert_ordered(chunks)
