@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import sys
 import time
 import urllib.request
@@ -73,6 +74,10 @@ def tier_of(tenant: str) -> str:
 # --- the fleet, with the dispatcher's metrics port and preemption events ------------------------
 
 
+_DISPATCHED_COST = re.compile(
+    r'^fairlane_dispatcher_dispatched_cost_total\{[^}]*tenant="(?P<tenant>[^"]+)"[^}]*\} (?P<value>\S+)$')
+
+
 @dataclass
 class PFleet(Fleet):
     """bench.fleet.Fleet + a Prometheus port on the dispatcher + Preempted/Finished
@@ -119,6 +124,13 @@ class PFleet(Fleet):
                 if line.startswith(name + "{") or line.startswith(name + " "):
                     with contextlib.suppress(ValueError):
                         out[name] += float(line.rsplit(" ", 1)[1])
+            # DRR's own account per tenant (estimates at dispatch), beside the tokens the
+            # client counts: tells a scheduling skew from one downstream of dispatch.
+            m = _DISPATCHED_COST.match(line)
+            if m:
+                with contextlib.suppress(ValueError):
+                    key = f"dispatched_cost/{m['tenant']}"
+                    out[key] = out.get(key, 0.0) + float(m["value"])
         return out
 
     def preempted_for(self) -> dict[str, str]:
