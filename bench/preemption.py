@@ -205,12 +205,19 @@ async def scenario_backlogged(fleet: PFleet, client, args, seed: int, notes: lis
     wsum = sum(WEIGHTED.values())
     n_pre = sum(1 for t, _ in fleet.preempted if w0 <= t < w1)
     recomputed = sum(rc for t, _, rc, _ in fleet.finished if w0 <= t < w1)
+    # The same shares counted on the server's side: completion tokens of the requests
+    # that finished in the window (Finished events), beside the client's streamed count.
+    finished_tokens = dict.fromkeys(WEIGHTED, 0)
+    for t, tenant, _, n in fleet.finished:
+        if w0 <= t < w1 and tenant in finished_tokens:
+            finished_tokens[tenant] += n
     errs = [r.error for r in tr.reqs if r.error and r.error != "bench_cancelled"]
     return {
         "window_s": span,
         "tokens": tokens,
         "tok_per_s": total / span,
         "shares": {k: v / total if total else None for k, v in tokens.items()},
+        "finished_tokens": finished_tokens,
         "target": {k: w / wsum for k, w in WEIGHTED.items()},
         "preemptions": n_pre,
         "preemptions_per_s": n_pre / span,
