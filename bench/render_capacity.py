@@ -12,7 +12,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench.capacity_plan import PREEMPTION, answers, meets, tail_s
-from bench.render_common import RenderError, Results, fmt_sum, row_source, sources_line, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    fmt_sum,
+    one_stem,
+    row_source,
+    sources_line,
+    table,
+)
 
 STEM = "capacity_plan"
 
@@ -63,9 +71,7 @@ def answer_line(data: Mapping[str, Any]) -> str:
 
 def capacity_table(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: capacity-plan STEM -->`: one row per (workers, preemption)."""
-    if len(args) != 1:
-        raise RenderError("capacity-plan takes one results file (capacity_plan)")
-    stem = args[0]
+    stem = one_stem("capacity-plan", args)
     data = _data(res, stem)
     paid, free, target_s = data["paid_tier"], data["free_tier"], data["target_s"]
     rows = []

@@ -8,7 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.chaos_report import MUST, agg
-from bench.render_common import RenderError, Results, fmt_sig, row_source, sources_line, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    fmt_sig,
+    one_stem,
+    row_source,
+    sources_line,
+    table,
+)
 
 Runs = list[dict]
 
@@ -212,10 +220,9 @@ def _at(x: float | None, zero: str = "at once", suffix: str = "") -> str:
 
 def cluster_table(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: chaos-cluster STEM -->`: a NATS node killed, one row per run."""
-    if len(args) != 1:
-        raise RenderError("chaos-cluster takes one results file")
+    stem = one_stem("chaos-cluster", args)
     rows = []
-    for name, runs in ok_runs(res, args[0]).items():
+    for name, runs in ok_runs(res, stem).items():
         for r in runs:
             ex = r.get("extra", {})
             rows.append([f"`{name}`: {r.get('fault', '')}", r["submitted"], r["completed"],
@@ -237,10 +244,9 @@ def _conn(name: str) -> str:
 
 def partition_table(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: chaos-partition STEM -->`: a node cut off, one row per run."""
-    if len(args) != 1:
-        raise RenderError("chaos-partition takes one results file")
+    stem = one_stem("chaos-partition", args)
     rows, cut = [], set()
-    for name, runs in ok_runs(res, args[0]).items():
+    for name, runs in ok_runs(res, stem).items():
         for i, r in enumerate(runs, 1):
             ex = r.get("extra", {})
             cut.add(ex.get("cut_node", "?"))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT
-from bench.harness import fmt_num, summarize
+from bench.harness import RunRecord, fmt_num, summarize
 
 RESULTS_DIR = ROOT / "bench" / "results"
 GENERATOR = "python bench/render_benchmarks.py"
@@ -138,3 +138,41 @@ def table(header: Sequence[str], align: str, rows: Iterable[Sequence[Any]]) -> s
             raise ValueError(f"row has {len(row)} cells, header {len(header)}: {row}")
         lines.append("| " + " | ".join(cell(c) for c in row) + " |")
     return "\n".join(lines)
+
+
+# --- a block's one results file, and its runs ------------------------------------------------
+
+
+def one_stem(kind: str, args: Sequence[str]) -> str:
+    """The results file of a block that names exactly one (`<!-- generated: KIND STEM -->`)."""
+    if len(args) != 1:
+        raise RenderError(f"{kind} takes one results file")
+    return args[0]
+
+
+def one_results_file(res: Results, kind: str, args: Sequence[str]) -> dict:
+    """The `data` of that one results file."""
+    return res.load(one_stem(kind, args)).get("data", {})
+
+
+def measured_records(data: dict, stem: str, need: Sequence[str] = ()) -> list[RunRecord]:
+    """A harness results file's measured runs (its warm-up left out): at least one of
+    them succeeded, and so did at least one of each variant in `need`, or there is
+    nothing to report or compare."""
+    records = [RunRecord(**r) for r in data.get("records", [])]
+    ok = {r.variant for r in records if r.error is None}
+    if not ok:
+        raise RenderError(f"{stem}.json has no successful run")
+    missing = [v for v in need if v not in ok]
+    if missing:
+        raise RenderError(f"{stem}.json has no successful run of {missing}")
+    return records
+
+
+def failed_run_lines(data: dict) -> list[str]:
+    """The results markdown's "Failed runs" section (warm-up runs included); [] if none."""
+    failed = [r for r in data.get("warmup", []) + data.get("records", []) if r.get("error")]
+    if not failed:
+        return []
+    return ["", "## Failed runs", "",
+            *(f"- {r['variant']} rep {r['rep']}: {r['error']}" for r in failed)]

@@ -34,7 +34,16 @@ from bench.harness import (
     ratio,
     summarize,
 )
-from bench.render_common import RenderError, Results, row_source, sources_line, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    failed_run_lines,
+    measured_records,
+    one_results_file,
+    row_source,
+    sources_line,
+    table,
+)
 
 RAW, WS = "raw", "streamer"
 STREAMER_VARIANTS = (RAW, WS)
@@ -46,17 +55,6 @@ Metric = Callable[[dict[str, Any]], float]
 
 
 # --- records -----------------------------------------------------------------------------
-
-
-def records_of(data: dict, stem: str, variants: Sequence[str]) -> list[RunRecord]:
-    """The measured records (warm-up left out); every variant must have succeeded at
-    least once, or there is nothing to compare."""
-    records = [RunRecord(**r) for r in data.get("records", [])]
-    have = by_variant(records)
-    missing = [v for v in variants if v not in have]
-    if missing:
-        raise RenderError(f"{stem}.json has no successful run of {missing}")
-    return records
 
 
 def per_rep(records: Sequence[RunRecord], variant: str, metric: Metric) -> dict[int, float]:
@@ -76,14 +74,6 @@ def paired(records: Sequence[RunRecord], num: str, den: str, metric: Metric,
 
 def num_reps(records: Sequence[RunRecord]) -> int:
     return len({r.rep for r in records})
-
-
-def failed_lines(data: dict) -> list[str]:
-    failed = [r for r in data.get("warmup", []) + data.get("records", []) if r.get("error")]
-    if not failed:
-        return []
-    return ["", "## Failed runs", "",
-            *(f"- {r['variant']} rep {r['rep']}: {r['error']}" for r in failed)]
 
 
 # --- formatting ----------------------------------------------------------------------------
@@ -166,7 +156,7 @@ class StreamerFigures:
 
 
 def streamer_figures(data: dict) -> StreamerFigures:
-    recs = records_of(data, STREAMER_STEM, STREAMER_VARIANTS)
+    recs = measured_records(data, STREAMER_STEM, STREAMER_VARIANTS)
     pools = {v: pooled_latency(recs, v) for v in STREAMER_VARIANTS}
     bad = [v for v, xs in pools.items() if not xs]
     if bad:
@@ -252,15 +242,13 @@ def streamer_report(data: dict) -> str:
              "", "## Every run", "", streamer_runs_table(data), "",
              f"Load average (1 min) at start / end: {setup.get('loadavg_start')} / "
              f"{setup.get('loadavg_end')}; measured part {fmt_num(setup.get('bench_s'), 0)} s.",
-             *failed_lines(data)]
+             *failed_run_lines(data)]
     return "\n".join(lines) + "\n"
 
 
 def streamer_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: streamer STEM -->`: the setup, the table and how to read it."""
-    if len(args) != 1:
-        raise RenderError("streamer takes one results file")
-    data = res.load(args[0]).get("data", {})
+    data = one_results_file(res, "streamer", args)
     return "\n\n".join([sources_line(res, args), streamer_setup_text(data["setup"]),
                         streamer_table(data), streamer_notes(data)])
 
@@ -322,7 +310,7 @@ class ClusterFigures:
 
 
 def cluster_figures(data: dict) -> ClusterFigures:
-    recs = records_of(data, CLUSTER_STEM, CLUSTER_VARIANTS)
+    recs = measured_records(data, CLUSTER_STEM, CLUSTER_VARIANTS)
     label = cluster_tail_label(recs)
     # One statistic for every round: a p99 of one round beside the max of another
     # would not compare.
@@ -389,15 +377,13 @@ def cluster_report(data: dict) -> str:
              "", "## Every round", "", cluster_runs_table(data), "",
              f"Load average (1 min) at start / end: {setup.get('loadavg_start')} / "
              f"{setup.get('loadavg_end')}; measured part {fmt_num(setup.get('bench_s'), 0)} s.",
-             *failed_lines(data)]
+             *failed_run_lines(data)]
     return "\n".join(lines) + "\n"
 
 
 def cluster_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: cluster STEM -->`: the setup and the table."""
-    if len(args) != 1:
-        raise RenderError("cluster takes one results file")
-    data = res.load(args[0]).get("data", {})
+    data = one_results_file(res, "cluster", args)
     return "\n\n".join([sources_line(res, args), cluster_setup_text(data["setup"]),
                         cluster_table(data), cluster_notes(data)])
 

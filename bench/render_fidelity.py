@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.harness import MIN_P99_SAMPLES, Summary, summarize
-from bench.render_common import RenderError, Results, fmt_sig, row_source, sources_line, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    fmt_sig,
+    one_results_file,
+    row_source,
+    sources_line,
+    table,
+)
 
 TOLERANCE = 0.10  # issue 12: TTFT p50/p99 and throughput within 10% (Vidur: < 9%)
 ALL = "all"  # the pseudo-class of every request of a scenario
@@ -261,9 +269,7 @@ def report(data: dict) -> str:
 
 def fidelity_table(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: fidelity STEM -->`: sim vs real per scenario, class and metric."""
-    if len(args) != 1:
-        raise RenderError("fidelity takes one results file")
-    data = res.load(args[0]).get("data", {})
+    data = one_results_file(res, "fidelity", args)
     if not data.get("runs"):
         raise RenderError(f"{args[0]}.json has no runs")
     return sources_line(res, args) + "\n\n" + comparison_table(data)

@@ -19,8 +19,11 @@ from bench.harness import RunRecord, by_variant, fmt_num, summarize
 from bench.render_common import (
     RenderError,
     Results,
+    failed_run_lines,
     fmt_sum,
+    measured_records,
     median,
+    one_results_file,
     row_source,
     sources_line,
     table,
@@ -52,10 +55,9 @@ LABELS = {
 
 
 def records_of(data: dict) -> list[RunRecord]:
-    """The measured records (warm-up left out); at least one must have succeeded."""
-    records = [RunRecord(**r) for r in data.get("records", [])]
-    if not any(r.error is None for r in records):
-        raise RenderError(f"{STEM}.json has no successful run")
+    """The measured records (`measured_records`), each run's rate checked against its
+    count and time."""
+    records = measured_records(data, STEM)
     for r in records:
         if r.error is None and abs(r.metrics["rate"] * r.metrics["elapsed_s"]
                                    - r.metrics["n"]) > 1e-6 * r.metrics["n"]:
@@ -217,18 +219,13 @@ the fetch rows the consumer side's: what nats-py itself manages on this machine.
 def report(data: dict) -> str:
     """The results markdown's body (bench.harness.write_results adds the header)."""
     records, setup = records_of(data), data["setup"]
-    failed = [r for r in list(records) + [RunRecord(**w) for w in data.get("warmup", [])]
-              if r.error is not None]
     lines = [setup_text(setup), "", rates_table(records, setup), "", *ratio_lines(records)]
     if data.get("note"):
         lines += ["", f"Note: {data['note']}"]
     lines += ["", f"loadavg at start {setup.get('loadavg_start')}, at end "
               f"{setup.get('loadavg_end')}; measured part (with warm-up) "
               f"{setup.get('bench_s', 0):.0f} s.", "", "## Every run", "", run_rows(records)]
-    if failed:
-        lines += ["", "## Failed runs", ""]
-        lines += [f"- {r.variant} rep {r.rep}: {r.error}" for r in failed]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failed_run_lines(data)) + "\n"
 
 
 # --- BENCHMARKS.md ---------------------------------------------------------------------------
@@ -236,9 +233,7 @@ def report(data: dict) -> str:
 
 def ingest_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: ingest STEM -->`: the setup, the rates table, the ratios, the note."""
-    if len(args) != 1:
-        raise RenderError("ingest takes one results file")
-    data = res.load(args[0]).get("data", {})
+    data = one_results_file(res, "ingest", args)
     records = records_of(data)
     parts = [sources_line(res, args), setup_text(data["setup"]),
              rates_table(records, data["setup"]), "\n".join(ratio_lines(records))]
@@ -249,10 +244,7 @@ def ingest_kind(res: Results, args: list[str], _old: str) -> str:
 
 def summary_ingest(res: Results) -> list[str]:
     data = res.load(STEM).get("data", {})
-    records = records_of(data)
-    missing = [v for v in (RAW, "ingest", "ingest-dispatch") if v not in variants_in(records)]
-    if missing:
-        raise RenderError(f"{STEM}.json has no successful run of {missing}")
+    records = measured_records(data, STEM, [RAW, "ingest", "ingest-dispatch"])
     ing, both = ratios(records, "ingest"), ratios(records, "ingest-dispatch")
     claim = (f"dispatcher ingest ÷ raw nats-py pull fetch (same server, fetch batch "
              f"{data['setup']['batch']}, N = {data['setup']['n']:,}, one clock)")

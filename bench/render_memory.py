@@ -19,6 +19,7 @@ from bench.render_common import (
     RenderError,
     Results,
     digits_for,
+    one_results_file,
     row_source,
     sources_line,
     table,
@@ -176,9 +177,7 @@ def report(data: dict) -> str:
 
 def memory_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: dispatcher-memory STEM -->`: the workload and the figures."""
-    if len(args) != 1:
-        raise RenderError("dispatcher-memory takes one results file")
-    data = res.load(args[0]).get("data", {})
+    data = one_results_file(res, "dispatcher-memory", args)
     return "\n\n".join([sources_line(res, args), workload_text(data), memory_table(data)])
 
 

@@ -39,7 +39,15 @@ from bench.harness import (
     summarize,
     verdict,
 )
-from bench.render_common import RenderError, Results, row_source, sources_line, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    measured_records,
+    one_stem,
+    row_source,
+    sources_line,
+    table,
+)
 
 STEM = "noisy_neighbor"
 LONG, SHORT = "long", "short"
@@ -136,13 +144,6 @@ def asym_figures(a: dict) -> dict:
 
 
 # --- over repetitions ------------------------------------------------------------------------
-
-
-def records_of(data: dict) -> list[RunRecord]:
-    records = [RunRecord(**r) for r in data.get("records", [])]
-    if not any(r.error is None for r in records):
-        raise RenderError("the results hold no successful run")
-    return records
 
 
 def policies_in(records: list[RunRecord]) -> list[str]:
@@ -269,7 +270,7 @@ def setup_text(data: dict) -> str:
 
 
 def weighted_table(data: dict) -> str:
-    records = records_of(data)
+    records = measured_records(data, STEM)
     weights = data["setup"]["weights"]
     wsum = sum(weights.values())
     header = ["policy", "output lengths",
@@ -292,7 +293,7 @@ def weighted_table(data: dict) -> str:
 
 
 def asym_table(data: dict) -> str:
-    records = records_of(data)
+    records = measured_records(data, STEM)
     header = ["policy", "output lengths", "heavy tok/s (owed)", "light tok/s each (demand)",
               "x heavy", "x light (lowest)", "Jain's index", "max rel. error",
               "light TTFT p50 ms", "light TTFT p99 ms", "tokens/s ÷ fifo", "reps"]
@@ -333,7 +334,7 @@ def runs_table(data: dict) -> str:
     """Every (policy, repetition, profile) in run order: the raw figures behind the
     medians, with errors and preemptions."""
     rows = []
-    for r in sorted(records_of(data), key=lambda r: r.position):
+    for r in sorted(measured_records(data, STEM), key=lambda r: r.position):
         if r.error is not None:
             rows.append([r.position + 1, r.variant, r.rep, "—", f"failed: {r.error}",
                          "", "", "", "", "", ""])
@@ -389,29 +390,17 @@ def _data(res: Results, stem: str) -> dict:
     return res.load(stem).get("data", {})
 
 
-def _one_stem(kind: str, args: list[str]) -> str:
-    if len(args) != 1:
-        raise RenderError(f"{kind} takes one results file")
-    return args[0]
-
-
 def weighted_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: noisy-weighted STEM -->`: the setup and the 1:2:4 table."""
-    stem = _one_stem("noisy-weighted", args)
+    stem = one_stem("noisy-weighted", args)
     data = _data(res, stem)
     return "\n\n".join([sources_line(res, [stem]), setup_text(data), weighted_table(data)])
 
 
 def asym_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: noisy-asymmetric STEM -->`: the asymmetric-demand table."""
-    stem = _one_stem("noisy-asymmetric", args)
+    stem = one_stem("noisy-asymmetric", args)
     return "\n\n".join([sources_line(res, [stem]), asym_table(_data(res, stem))])
-
-
-def _need(records: list[RunRecord], *policies: str) -> None:
-    missing = [p for p in policies if p not in policies_in(records)]
-    if missing:
-        raise RenderError(f"{STEM}.json has no successful run of {missing}")
 
 
 def _others(records: list[RunRecord], fmt: Callable[[str], str]) -> str:
@@ -424,8 +413,7 @@ def _reps(records: list[RunRecord]) -> str:
 
 
 def summary_shares(res: Results) -> list[str]:
-    records = records_of(_data(res, STEM))
-    _need(records, CHECKED)
+    records = measured_records(_data(res, STEM), STEM, [CHECKED])
 
     def err(p: str) -> Summary:
         return summ(records, p, LONG, WEIGHTED, lambda f: f["max_rel_err"])
@@ -438,8 +426,7 @@ def summary_shares(res: Results) -> list[str]:
 
 
 def summary_jain(res: Results) -> list[str]:
-    records = records_of(_data(res, STEM))
-    _need(records, CHECKED, BASE)
+    records = measured_records(_data(res, STEM), STEM, [CHECKED, BASE])
 
     def jn(p: str) -> Summary:
         return summ(records, p, LONG, ASYM, lambda f: f["jain"])
@@ -453,8 +440,7 @@ def summary_jain(res: Results) -> list[str]:
 
 
 def summary_throughput(res: Results) -> list[str]:
-    records = records_of(_data(res, STEM))
-    _need(records, CHECKED, BASE)
+    records = measured_records(_data(res, STEM), STEM, [CHECKED, BASE])
     w = summarize(vs_base(records, CHECKED, LONG, WEIGHTED))
     a = summarize(vs_base(records, CHECKED, LONG, ASYM))
     vtc = ("; vtc 1:2:4 " + _fmt(summarize(vs_base(records, "vtc", LONG, WEIGHTED)), 3)

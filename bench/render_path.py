@@ -19,10 +19,12 @@ from bench.bench_vllm_report import fmt_signed, paired, per_rep
 from bench.common import quantile
 from bench.harness import MIN_P99_SAMPLES, RunRecord, by_variant, collect, fmt_tail
 from bench.render_common import (
-    RenderError,
     Results,
     digits_for,
+    failed_run_lines,
     fmt_sum,
+    measured_records,
+    one_results_file,
     row_source,
     sources_line,
     table,
@@ -42,14 +44,6 @@ LABELS = {
 
 
 # --- figures ---------------------------------------------------------------------------------
-
-
-def records_of(data: dict) -> list[RunRecord]:
-    """The measured records (warm-up left out); at least one must have succeeded."""
-    records = [RunRecord(**r) for r in data.get("records", [])]
-    if not any(r.error is None for r in records):
-        raise RenderError(f"{STEM}.json has no successful run")
-    return records
 
 
 def ttft_p50(m: dict[str, Any]) -> float:
@@ -179,19 +173,14 @@ short-request latency figures (time to the first token), not throughput."""
 
 def report(data: dict) -> str:
     """The results markdown's body (bench.harness.write_results adds the header)."""
-    records, setup = records_of(data), data["setup"]
-    failed = [r for r in list(records) + [RunRecord(**w) for w in data.get("warmup", [])]
-              if r.error is not None]
+    records, setup = measured_records(data, STEM), data["setup"]
     lines = [setup_text(setup), "", variant_table(records), "", "- " + headline_line(records),
              "- fleet start-up (not timed in the TTFTs): "
              + ", ".join(f"`{k}` {v:.1f} s" for k, v in setup.get("start_s", {}).items()),
              f"- loadavg at start {setup.get('loadavg_start')}, at end "
              f"{setup.get('loadavg_end')}; measured part {setup.get('bench_s', 0):.0f} s",
              "", "## Every run", "", run_rows(records)]
-    if failed:
-        lines += ["", "## Failed runs", ""]
-        lines += [f"- {r.variant} rep {r.rep}: {r.error}" for r in failed]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failed_run_lines(data)) + "\n"
 
 
 # --- BENCHMARKS.md ---------------------------------------------------------------------------
@@ -199,20 +188,15 @@ def report(data: dict) -> str:
 
 def path_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: path STEM -->`: the setup, the per-variant table, the headline."""
-    if len(args) != 1:
-        raise RenderError("path takes one results file")
-    data = res.load(args[0]).get("data", {})
-    records = records_of(data)
+    data = one_results_file(res, "path", args)
+    records = measured_records(data, STEM)
     return "\n\n".join([sources_line(res, args), setup_text(data["setup"]),
                         variant_table(records), headline_line(records)])
 
 
 def summary_path(res: Results) -> list[str]:
     data = res.load(STEM).get("data", {})
-    records = records_of(data)
-    missing = [v for v in (BASE, HEADLINE) if v not in variants_in(records)]
-    if missing:
-        raise RenderError(f"{STEM}.json has no successful run of {missing}")
+    records = measured_records(data, STEM, [BASE, HEADLINE])
     claim = (f"path TTFT overhead at light load, one request at a time, max_tokens "
              f"{data['setup']['max_tokens']} (producer → NATS → dispatcher → sim worker as "
              "separate processes, vs the SimEngine called directly)")

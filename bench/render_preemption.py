@@ -24,6 +24,7 @@ from bench.render_common import (
     fmt_sig,
     fmt_sum,
     median,
+    one_stem,
     row_source,
     sources_line,
     table,
@@ -119,9 +120,7 @@ def isolation_table(res: Results, args: list[str], _old: str) -> str:
 def targets_table(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: preemption-targets STEM -->`: issue 10's targets checked against
     drr+preemption (probe scenarios, then the backlogged 1:2:4 phase)."""
-    if len(args) != 1:
-        raise RenderError("preemption-targets takes one results file")
-    stem = args[0]
+    stem = one_stem("preemption-targets", args)
     recs, run_args = _run(res, stem)
     rows = []
     for scen in ORDER:

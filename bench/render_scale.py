@@ -15,7 +15,14 @@ no fleet, no clock."""
 from __future__ import annotations
 
 from bench.harness import fmt_num
-from bench.render_common import RenderError, Results, row_source, sources_line, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    one_results_file,
+    row_source,
+    sources_line,
+    table,
+)
 
 STEM = "simulate_scale"  # the Summary row's results file
 TARGET_SCALE = (1000, 100_000)  # issue 12: workers, tenants
@@ -103,9 +110,7 @@ def target_line(data: dict) -> str:
 
 def scale_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: simulate-scale STEM -->`: setup, the table, the target verdict."""
-    if len(args) != 1:
-        raise RenderError("simulate-scale takes one results file")
-    data = res.load(args[0]).get("data", {})
+    data = one_results_file(res, "simulate-scale", args)
     return "\n\n".join([sources_line(res, args), setup_text(data), scale_table(runs_of(data)),
                         target_line(data)])
 

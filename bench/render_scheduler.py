@@ -15,7 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench.harness import Summary, fmt_num, summarize
-from bench.render_common import RenderError, Results, row_source, sources_line, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    one_results_file,
+    row_source,
+    sources_line,
+    table,
+)
 
 STEM = "scheduler"  # the Summary row's results file
 BLOCKED = "drr-blocked"
@@ -208,9 +215,7 @@ def report(data: dict) -> str:
 
 def scheduler_kind(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: scheduler STEM -->`: what is timed, the table, the verdict."""
-    if len(args) != 1:
-        raise RenderError("scheduler takes one results file")
-    data = res.load(args[0]).get("data", {})
+    data = one_results_file(res, "scheduler", args)
     return "\n\n".join([sources_line(res, args), setup_text(data), decision_table(data),
                         flat_line(data)])
 

@@ -6,6 +6,8 @@ markdown prints: per (variant, load) median (min–max) over repetitions, tails 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from bench.bench_vllm_report import (
     TARGET_THROUGHPUT_RATIO,
     figure_lines,
@@ -22,39 +24,34 @@ from bench.bench_vllm_report import (
     variants_in,
 )
 from bench.harness import RunRecord, verdict
-from bench.render_common import RenderError, Results, median, row_source, sources_line
+from bench.render_common import (
+    Results,
+    measured_records,
+    median,
+    one_stem,
+    row_source,
+    sources_line,
+)
 
 STEM = "vllm"
 
 
-def _run(res: Results, stem: str) -> tuple[list[RunRecord], dict]:
-    """The measured records (warm-up left out) and the run's setup."""
+def _run(res: Results, stem: str, need: Sequence[str] = ()) -> tuple[list[RunRecord], dict]:
+    """The measured records (`measured_records`) and the run's setup."""
     data = res.load(stem).get("data", {})
-    records = [RunRecord(**r) for r in data.get("records", [])]
-    if not any(r.error is None for r in records):
-        raise RenderError(f"{stem}.json has no successful run")
-    return records, data.get("setup", {})
+    return measured_records(data, stem, need), data.get("setup", {})
 
 
 def vllm_table(res: Results, args: list[str], _old: str) -> str:
     """`<!-- generated: vllm STEM -->`: the setup, the per-variant table and the paired
     comparisons of one bench/bench_vllm.py run."""
-    if len(args) != 1:
-        raise RenderError("vllm takes one results file")
-    records, setup = _run(res, args[0])
+    records, setup = _run(res, one_stem("vllm", args))
     return "\n".join([sources_line(res, args), "", *setup_lines(setup), "",
                       variant_table(records), "", *figure_lines(records)])
 
 
-def _need(records: list[RunRecord], *variants: str) -> None:
-    missing = [v for v in variants if v not in variants_in(records)]
-    if missing:
-        raise RenderError(f"{STEM}.json has no successful run of {missing}")
-
-
 def summary_throughput(res: Results) -> list[str]:
-    records, setup = _run(res, STEM)
-    _need(records, "direct", "fleet")
+    records, setup = _run(res, STEM, ["direct", "fleet"])
     thr = throughput_ratios(records)
     bound = setup.get("direct_bound") or "no"
     return [f"§3 output tokens/s through fairlane ÷ the same vLLM engine fed directly "
@@ -66,16 +63,14 @@ def summary_throughput(res: Results) -> list[str]:
 
 
 def summary_ttft(res: Results) -> list[str]:
-    records, _ = _run(res, STEM)
-    _need(records, "direct", "fleet")
+    records, _ = _run(res, STEM, ["direct", "fleet"])
     return ["§3 TTFT overhead at light load on vLLM (fleet − direct)",
             f"p50 {fmt_signed(overheads_ms(records))} per rep; {fmt_tail_overhead(records)}",
             "—", row_source(res, STEM)]
 
 
 def summary_sim(res: Results) -> list[str]:
-    records, _ = _run(res, STEM)
-    _need(records, "direct", "sim-direct")
+    records, _ = _run(res, STEM, ["direct", "sim-direct"])
     parts = [f"direct: tok/s {fmt_ratio(throughput_ratios(records, 'sim-direct', 'direct'))}, "
              f"TTFT p50 {fmt_ratio(ttft_p50_ratios(records, 'sim-direct', 'direct'))}"]
     if {"fleet", "sim-fleet"} <= set(variants_in(records)):

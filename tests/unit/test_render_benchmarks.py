@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,17 @@ import pytest
 from bench import render_benchmarks as rb
 from bench.harness import RunRecord
 from bench.preemption_report import report as preemption_report
-from bench.render_common import RenderError, Results, digits_for, fmt_sig, fmt_sum, table
+from bench.render_common import (
+    RenderError,
+    Results,
+    digits_for,
+    failed_run_lines,
+    fmt_sig,
+    fmt_sum,
+    measured_records,
+    one_stem,
+    table,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -256,3 +267,18 @@ def test_number_formatting():
     assert fmt_sum([1.0, 2.0, 4.0], "×") == "2.00× (1.00–4.00)"
     assert fmt_sum([]) == "n/a" and fmt_sum([0.9871, 1.0], digits=3) == "0.994 (0.987–1.000)"
     assert table(["a", "b"], "lr", [["x|y", 1]]) == "| a | b |\n|---|---:|\n| x\\|y | 1 |"
+
+
+def test_render_common_one_results_file_and_measured_records():
+    with pytest.raises(RenderError, match="path takes one results file"):
+        one_stem("path", ["a", "b"])
+    assert one_stem("path", ["a"]) == "a"
+    ok, bad = RunRecord("x", 0, 0, {}), RunRecord("y", 0, 1, {}, "boom")
+    data = {"records": [asdict(ok), asdict(bad)], "warmup": [asdict(bad)]}
+    assert [r.variant for r in measured_records(data, "s", ["x"])] == ["x", "y"]
+    with pytest.raises(RenderError, match=r"s.json has no successful run of \['y'\]"):
+        measured_records(data, "s", ["x", "y"])
+    with pytest.raises(RenderError, match="s.json has no successful run"):
+        measured_records({"records": [asdict(bad)]}, "s")
+    assert failed_run_lines({"records": [asdict(ok)]}) == []
+    assert failed_run_lines(data)[-2:] == ["- y rep 0: boom", "- y rep 0: boom"]

@@ -10,7 +10,7 @@ import pytest
 
 from bench import render_path as rp
 from bench.harness import RunMeta, RunRecord, write_results
-from bench.render_common import RenderError, Results
+from bench.render_common import RenderError, Results, measured_records
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +54,7 @@ def _results(tmp_path: Path, records: list[RunRecord], stem: str = rp.STEM) -> R
 
 
 def _loaded(tmp_path: Path) -> list[RunRecord]:
-    return rp.records_of(_results(tmp_path, _records()).load(rp.STEM)["data"])
+    return measured_records(_results(tmp_path, _records()).load(rp.STEM)["data"], rp.STEM)
 
 
 # --- figures -------------------------------------------------------------------------------
