@@ -266,7 +266,8 @@ def _have_module(name: str) -> bool:
 
 
 async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
-    """Ready = every worker has sent a heartbeat and the dispatcher answers."""
+    """Ready = every worker has sent a heartbeat, the dispatcher answers and the
+    streamer (if any) accepts connections."""
     import nats
     import nats.errors
 
@@ -314,6 +315,19 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
                 fleet.check_alive()
                 if time.monotonic() > deadline:
                     raise RuntimeError("dispatcher not answering") from None
+                await asyncio.sleep(0.1)
+        # The edge too: the endpoints printed next must answer (a client that connects
+        # as soon as `up` says so was refused while the streamer was still binding).
+        port = getattr(fleet, "http_port", None)
+        while port:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            except OSError:
+                fleet.check_alive()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"streamer not listening on port {port}") from None
                 await asyncio.sleep(0.1)
     finally:
         await nc.close()
