@@ -37,6 +37,7 @@ from fairlane.embedded import (
     die_with_parent,
     free_port,
     port_in_use,
+    wait_listening,
 )
 from fairlane.logs import LogLevel
 from fairlane.natsauth import AUTH_FILE, CREDENTIALS_DIR, service_user, write_nats_auth
@@ -266,8 +267,7 @@ def _have_module(name: str) -> bool:
 
 
 async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
-    """Ready = every worker has sent a heartbeat, the dispatcher answers and the
-    streamer (if any) accepts connections."""
+    """Ready = every worker heartbeats, the dispatcher answers, the streamer listens."""
     import nats
     import nats.errors
 
@@ -316,19 +316,9 @@ async def _wait_ready(fleet: Fleet, timeout_s: float) -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError("dispatcher not answering") from None
                 await asyncio.sleep(0.1)
-        # The edge too: the endpoints printed next must answer (a client that connects
-        # as soon as `up` says so was refused while the streamer was still binding).
-        port = getattr(fleet, "http_port", None)
-        while port:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            except OSError:
-                fleet.check_alive()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"streamer not listening on port {port}") from None
-                await asyncio.sleep(0.1)
+        # The edge too: a client may connect the moment the endpoints are printed.
+        if getattr(fleet, "http_port", None):
+            await wait_listening(fleet.http_port, deadline, fleet.check_alive, "streamer")
     finally:
         await nc.close()
 

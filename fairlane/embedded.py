@@ -8,6 +8,7 @@ SIGKILL) so no orphan outlives its parent.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
@@ -20,6 +21,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,3 +277,19 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def wait_listening(port: int, deadline: float, check_alive: Callable[[], None],
+                         what: str) -> None:
+    """Until 127.0.0.1:`port` accepts a connection; `check_alive` may raise (a child
+    died), and past `deadline` (time.monotonic) it is an error."""
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not listening on port {port}") from None
+            await asyncio.sleep(0.1)
