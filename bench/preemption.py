@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import sys
@@ -78,6 +79,7 @@ from bench.preemption_fleet import (  # noqa: E402
     PFleet,
     Req,
     Tracker,
+    counter_deltas,
     held,
     probe,
     probe_record,
@@ -141,7 +143,7 @@ async def scenario_burst(fleet: PFleet, client, args, *, flood: str, burst: int,
             "probes": [probe_record(r, cutoff, victims) for r in reqs],
             "probe_window_s": args.probe_s,
             "preempted_events": n_pre,
-            "prom_delta": {n: m1.get(n, 0) - m0.get(n, 0) for n in m1} if m0 and m1 else {},
+            "prom_delta": counter_deltas(m0, m1),
             "flood_backlog": sum(1 for r in flood_reqs if not r.t_first and not r.error),
             "errors": [r.error for r in reqs if r.error and r.error != "bench_cancelled"],
         }
@@ -185,9 +187,16 @@ async def scenario_backlogged(fleet: PFleet, client, args, seed: int, notes: lis
     w0 = time.monotonic()
     lw0 = loop.time()
     held_samples = []
+    # Each tenant's dispatcher queue, once a second: the shares mean something only if
+    # every tenant stayed backlogged (a tenant whose queue ran dry got less by demand).
+    min_queue = dict.fromkeys(WEIGHTED, math.inf)
     while loop.time() < lw0 + args.window_s:
-        await asyncio.sleep(min(2.0, max(0.0, lw0 + args.window_s - loop.time())))
+        await asyncio.sleep(min(1.0, max(0.0, lw0 + args.window_s - loop.time())))
         held_samples.append(await held(client, fleet.prefix))
+        depths = await asyncio.to_thread(fleet.scrape)
+        for tenant in WEIGHTED:
+            if f"queue_depth/{tenant}" in depths:
+                min_queue[tenant] = min(min_queue[tenant], depths[f"queue_depth/{tenant}"])
     lw1 = loop.time()
     w1 = time.monotonic()
     m1 = await asyncio.to_thread(fleet.scrape)
@@ -223,8 +232,9 @@ async def scenario_backlogged(fleet: PFleet, client, args, seed: int, notes: lis
         "preemptions_per_s": n_pre / span,
         "recomputed_tokens": recomputed,
         "recomputed_pct": 100 * recomputed / total if total else None,
-        "prom_delta": {k: m1.get(k, 0) - m0.get(k, 0) for k in m1} if m0 and m1 else {},
+        "prom_delta": counter_deltas(m0, m1),
         "min_queued": min((h[0] + h[1] for h in held_samples), default=None),
+        "min_queue_depth": {k: (None if v == math.inf else v) for k, v in min_queue.items()},
         "errors": errs,
     }
 

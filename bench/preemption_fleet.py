@@ -74,8 +74,10 @@ def tier_of(tenant: str) -> str:
 # --- the fleet, with the dispatcher's metrics port and preemption events ------------------------
 
 
-_DISPATCHED_COST = re.compile(
-    r'^fairlane_dispatcher_dispatched_cost_total\{[^}]*tenant="(?P<tenant>[^"]+)"[^}]*\} (?P<value>\S+)$')
+_PER_TENANT = re.compile(
+    r'^fairlane_dispatcher_(?P<name>dispatched_cost_total|queue_depth)'
+    r'\{[^}]*tenant="(?P<tenant>[^"]+)"[^}]*\} (?P<value>\S+)$')
+_PER_TENANT_KEY = {"dispatched_cost_total": "dispatched_cost", "queue_depth": "queue_depth"}
 
 
 @dataclass
@@ -125,11 +127,12 @@ class PFleet(Fleet):
                     with contextlib.suppress(ValueError):
                         out[name] += float(line.rsplit(" ", 1)[1])
             # DRR's own account per tenant (estimates at dispatch), beside the tokens the
-            # client counts: tells a scheduling skew from one downstream of dispatch.
-            m = _DISPATCHED_COST.match(line)
+            # client counts: tells a scheduling skew from one downstream of dispatch. And
+            # each tenant's queue in the dispatcher: a "backlogged" tenant must never run dry.
+            m = _PER_TENANT.match(line)
             if m:
                 with contextlib.suppress(ValueError):
-                    key = f"dispatched_cost/{m['tenant']}"
+                    key = f"{_PER_TENANT_KEY[m['name']]}/{m['tenant']}"
                     out[key] = out.get(key, 0.0) + float(m["value"])
         return out
 
@@ -147,6 +150,14 @@ class PFleet(Fleet):
                 d = json.loads(line)
                 out[d.get("for_request_id", "")] = d.get("request_id", "")
         return out
+
+
+def counter_deltas(m0: dict[str, float], m1: dict[str, float]) -> dict[str, float]:
+    """The counters' increase between two `PFleet.scrape`s (gauges left out); {} if
+    either scrape failed."""
+    if not (m0 and m1):
+        return {}
+    return {k: m1[k] - m0.get(k, 0) for k in m1 if not k.startswith("queue_depth/")}
 
 
 # --- requests -----------------------------------------------------------------------------------

@@ -176,8 +176,28 @@ def backlog_stats(recs: dict[str, list[RunRecord]]) -> dict[str, dict]:
         vs = [ratio(b["tok_per_s"], fifo_tps.get(rep)) for rep, b in bs]
         rel = [max(abs(b["shares"][k] - b["target"][k]) / b["target"][k] for k in b["target"])
                for _, b in bs if all(b["shares"].values())]
-        out[v] = {"runs": bs, "vs_fifo": vs, "rel": rel}
+        out[v] = {"runs": bs, "vs_fifo": vs, "rel": rel,
+                  "cost_rel": [c for _, b in bs if (c := dispatched_cost_error(b)) is not None]}
     return out
+
+
+def dispatched_cost_error(b: dict) -> float | None:
+    """Max relative error of the tenants' shares of DRR's dispatched cost in the window
+    (the scheduler's own account, from `fairlane_dispatcher_dispatched_cost_total`);
+    None for a run that did not scrape it. Beside the streamed-token shares it tells the
+    scheduler's split from the window's edges: requests in flight when the window opens
+    and closes make the tokens streamed in it differ from the work dispatched in it."""
+    cost = {k: b.get("prom_delta", {}).get(f"dispatched_cost/{k}") for k in b["target"]}
+    total = sum(c for c in cost.values() if c)
+    if not total or not all(cost.values()):
+        return None
+    return max(abs(cost[k] / total - t) / t for k, t in b["target"].items())
+
+
+def dry_tenants(b: dict) -> list[str]:
+    """Tenants whose dispatcher queue was seen empty in the window (sampled once a
+    second): not backlogged all along, so their share says what they asked for."""
+    return sorted(k for k, q in (b.get("min_queue_depth") or {}).items() if q is not None and q < 1)
 
 
 def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> str:
@@ -286,8 +306,9 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
           "`num_recomputed_tokens` of the `Finished` events in the window (prefill redone "
           "for continuations, not served from the prefix cache) ÷ tokens generated.\n")
         p("| variant | completion tok/s | **vs fifo** | preemptions/s | **recomputed % of "
-          "generated** | w1 share | w2 share | w4 share | **max rel. share error** | errors |")
-        p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "generated** | w1 share | w2 share | w4 share | **max rel. share error** | "
+          "dispatched-cost share error | errors |")
+        p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for v, bk in backlog_stats(recs).items():
             bs, vs, rel = bk["runs"], bk["vs_fifo"], bk["rel"]
             back[v] = {"vs_fifo": summarize(vs).median, "rel": summarize(rel).median,
@@ -301,8 +322,19 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
               f"{_sumtxt([b['recomputed_pct'] for _, b in bs], 2)}% | "
               + " | ".join(_sumtxt([b["shares"][k] for _, b in bs], 3) for k in ("w1", "w2", "w4"))
               + f" | {_sumtxt([x * 100 for x in rel], 1)}% | "
-              f"{len(errs)} {sorted(set(errs)) if errs else ''} |")
-        p("\nTargets shares: w1 0.143, w2 0.286, w4 0.571.\n")
+              + (f"{_sumtxt([x * 100 for x in bk['cost_rel']], 1)}%" if bk["cost_rel"] else "—")
+              + f" | {len(errs)} {sorted(set(errs)) if errs else ''} |")
+        p("\nTargets shares: w1 0.143, w2 0.286, w4 0.571. Shares = completion tokens "
+          "streamed in the window; dispatched-cost share = the same split of DRR's charged "
+          "cost (`dispatched_cost_total`) in the window.\n")
+        dry = [f"{v}#{rep}: {', '.join(d)}" for v, bk in backlog_stats(recs).items()
+               for rep, b in bk["runs"] if (d := dry_tenants(b))]
+        sampled = any("min_queue_depth" in b for bk in backlog_stats(recs).values()
+                      for _, b in bk["runs"])
+        p("Every tenant backlogged throughout (dispatcher queue sampled once a second): "
+          + ("not recorded by this run" if not sampled else
+             "**no**: queue seen empty in " + "; ".join(dry) + " (those shares are demand, "
+             "not the scheduler's split)" if dry else "yes") + ".\n")
 
     # --- verdicts
     p("## Targets (drr+preempt)\n")
