@@ -15,6 +15,7 @@ from bench.preemption_report import (
     TARGET_SHARE_ERR,
     TARGET_THROUGHPUT,
     backlog_stats,
+    dry_tenants,
     load_records,
     probe_stats,
 )
@@ -159,6 +160,38 @@ def targets_table(res: Results, args: list[str], _old: str) -> str:
     return sources_line(res, [stem]) + "\n\n" + table(header, "llll", rows)
 
 
+def shares_table(res: Results, args: list[str], _old: str) -> str:
+    """`<!-- generated: preemption-shares STEM -->`: the backlogged 1:2:4 phase per
+    variant: streamed-token shares and their largest relative error, the same error of
+    DRR's dispatched cost, throughput ÷ fifo, preemptions and recomputed tokens."""
+    stem = one_stem("preemption-shares", args)
+    recs, run_args = _run(res, stem)
+    back = backlog_stats(recs)
+    if PV not in back:
+        raise RenderError(f"{stem}.json has no backlogged phase for {PV}")
+    rows = []
+    for v, b in back.items():
+        runs = [m for _, m in b["runs"]]
+        dry = sorted({t for m in runs for t in dry_tenants(m)})
+        rows.append([
+            v, str(len(runs)),
+            " / ".join(fmt_sum([m["shares"][k] for m in runs], digits=3) for k in ("w1", "w2", "w4")),
+            f"**{fmt_sum([x * 100 for x in b['rel']], '%', digits=1)}**",
+            fmt_sum([x * 100 for x in b["cost_rel"]], "%", digits=1),
+            fmt_sum(b["vs_fifo"], digits=3) if v != "fifo" else "1",
+            fmt_sum([m["preemptions_per_s"] for m in runs], digits=2),
+            fmt_sum([m["recomputed_pct"] for m in runs], "%", digits=2),
+            ("ran dry: " + ", ".join(dry)) if dry else
+            ("yes" if all("min_queue_depth" in m for m in runs) else "not recorded"),
+        ])
+    header = ["variant", "reps", "w1 / w2 / w4 token shares", "**max rel. error**",
+              "dispatched-cost error", "tok/s ÷ fifo", "preemptions/s", "recomputed",
+              "all backlogged"]
+    window = vars(run_args).get("window_s", 0)
+    return (sources_line(res, [stem]) + f"\n\n{window:g} s window; targets 0.143 / 0.286 / "
+            "0.571.\n\n" + table(header, "lrrrrrrrl", rows))
+
+
 # --- Summary rows --------------------------------------------------------------------------
 
 ISOLATION, FULL = "preemption_isolation", "preemption"
@@ -233,8 +266,34 @@ def summary_backlogged(res: Results) -> list[str]:
             row_source(res, FULL)]
 
 
-KINDS = {"preemption-isolation": isolation_table, "preemption-targets": targets_table}
+SHARES = "preemption_shares"
+
+
+def summary_shares(res: Results) -> list[str]:
+    """The 1:2:4 shares target from the backlogged phase's own run
+    (`preemption_shares.json`: a fresh fleet per repetition, nothing before it)."""
+    back = backlog_stats(_run(res, SHARES)[0])
+    b = back.get(PV)
+    if b is None:
+        raise RenderError(f"{SHARES}.json has no backlogged phase for {PV}")
+    rel = median(b["rel"])
+    drr = back.get("drr", {})
+    return [f"§6 1:2:4 weighted shares with preemption on, all backlogged, own run "
+            f"({len(b['rel'])} interleaved reps, {vars(_run(res, SHARES)[1]).get('window_s', 0):g} s "
+            "window): largest relative error of a tenant's streamed-token share (drr alone)",
+            f"**{fmt_sum([x * 100 for x in b['rel']], '%', digits=1)}**"
+            + (f" (drr {fmt_sum([x * 100 for x in drr['rel']], '%', digits=1)})"
+               if drr.get("rel") else "")
+            + (f"; DRR's dispatched cost: {fmt_sum([x * 100 for x in b['cost_rel']], '%', digits=1)}"
+               if b["cost_rel"] else ""),
+            f"≤ {TARGET_SHARE_ERR * 100:g}% — {verdict(rel, TARGET_SHARE_ERR)}",
+            row_source(res, SHARES)]
+
+
+KINDS = {"preemption-isolation": isolation_table, "preemption-targets": targets_table,
+         "preemption-shares": shares_table}
 SUMMARY_ROWS = {"isolation-tier": summary_isolation_tier,
                 "isolation-light": summary_isolation_light,
                 "full-tier": summary_full_tier, "full-light": summary_full_light,
-                "preemption-backlogged": summary_backlogged}
+                "preemption-backlogged": summary_backlogged,
+                "preemption-shares": summary_shares}

@@ -136,6 +136,30 @@ def test_targets_table_checks_drr_preempt_against_the_targets(tmp_path):
         "| 1:2:4 weighted shares, max relative error, preemption on"]
 
 
+
+def test_shares_table_reports_token_and_dispatched_cost_errors_and_dry_tenants(tmp_path):
+    from bench.render_preemption import summary_shares
+    doc = _preemption_doc({"fifo": [[1000]], "drr+preempt": [[30]]}, [10])
+    for r in doc["data"]["records"]:
+        r["metrics"] = {"backlogged": (
+            _backlogged(1000.0, (1 / 3, 1 / 3, 1 / 3), 0.0) if r["variant"] == "fifo"
+            else _backlogged(990.0, (0.15, 2 / 7, 4 / 7 - 0.15 + 1 / 7), 1.0))}
+        b = r["metrics"]["backlogged"]
+        # DRR charged 1:2:4 exactly; w4's queue was seen empty in the fifo run only.
+        b["prom_delta"] = {"dispatched_cost/w1": 100.0, "dispatched_cost/w2": 200.0,
+                           "dispatched_cost/w4": 400.0}
+        b["min_queue_depth"] = {"w1": 5, "w2": 5, "w4": 0 if r["variant"] == "fifo" else 3}
+    _write(tmp_path, "preemption_shares", doc)
+    out = _render(tmp_path, "<!-- generated: preemption-shares preemption_shares -->\n"
+                            "<!-- /generated -->\n")
+    rows = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| ")}
+    pre = rows["| drr+preempt"]
+    assert "| 0.150 / 0.286 / 0.564 | **5.0%** | 0.0% | 0.990 |" in pre and pre.endswith("| yes |")
+    assert rows["| fifo"].endswith("| ran dry: w4 |")
+    row = summary_shares(Results(tmp_path, "res"))
+    assert row[1].startswith("**5.0%**") and "dispatched cost: 0.0%" in row[1]
+    assert row[2] == "≤ 2% — missed"
+
 def _chaos_run(name: str, rep: int = 0, **kw) -> dict:
     run = {"scenario": name, "rep": rep, "fault": f"{name} fault", "submitted": 10,
            "completed": 10, "failed": {}, "lost": 0, "generated_twice": 0,
