@@ -186,7 +186,9 @@ def dispatched_cost_error(b: dict) -> float | None:
     (the scheduler's own account, from `fairlane_dispatcher_dispatched_cost_total`);
     None for a run that did not scrape it. Beside the streamed-token shares it tells the
     scheduler's split from the window's edges: requests in flight when the window opens
-    and closes make the tokens streamed in it differ from the work dispatched in it."""
+    and closes make the tokens streamed in it differ from the work dispatched in it.
+    With preemption on it is no share of work done: a continuation is charged again at
+    its dispatch (its new work plus the prefill it redoes)."""
     cost = {k: b.get("prom_delta", {}).get(f"dispatched_cost/{k}") for k in b["target"]}
     total = sum(c for c in cost.values() if c)
     if not total or not all(cost.values()):

@@ -185,7 +185,7 @@ def shares_table(res: Results, args: list[str], _old: str) -> str:
             ("yes" if all("min_queue_depth" in m for m in runs) else "not recorded"),
         ])
     header = ["variant", "reps", "w1 / w2 / w4 token shares", "**max rel. error**",
-              "dispatched-cost error", "tok/s ÷ fifo", "preemptions/s", "recomputed",
+              "dispatched-cost error (drr: the scheduler's split)", "tok/s ÷ fifo", "preemptions/s", "recomputed",
               "all backlogged"]
     window = vars(run_args).get("window_s", 0)
     return (sources_line(res, [stem]) + f"\n\n{window:g} s window; targets 0.143 / 0.286 / "
@@ -284,8 +284,9 @@ def summary_shares(res: Results) -> list[str]:
             f"**{fmt_sum([x * 100 for x in b['rel']], '%', digits=1)}**"
             + (f" (drr {fmt_sum([x * 100 for x in drr['rel']], '%', digits=1)})"
                if drr.get("rel") else "")
-            + (f"; DRR's dispatched cost: {fmt_sum([x * 100 for x in b['cost_rel']], '%', digits=1)}"
-               if b["cost_rel"] else ""),
+            # drr's: with preemption a continuation is charged again at its dispatch.
+            + (f"; drr's dispatched cost: {fmt_sum([x * 100 for x in drr['cost_rel']], '%', digits=1)}"
+               if drr.get("cost_rel") else ""),
             f"≤ {TARGET_SHARE_ERR * 100:g}% — {verdict(rel, TARGET_SHARE_ERR)}",
             row_source(res, SHARES)]
 

@@ -139,7 +139,7 @@ def test_targets_table_checks_drr_preempt_against_the_targets(tmp_path):
 
 def test_shares_table_reports_token_and_dispatched_cost_errors_and_dry_tenants(tmp_path):
     from bench.render_preemption import summary_shares
-    doc = _preemption_doc({"fifo": [[1000]], "drr+preempt": [[30]]}, [10])
+    doc = _preemption_doc({"fifo": [[1000]], "drr": [[300]], "drr+preempt": [[30]]}, [10])
     for r in doc["data"]["records"]:
         r["metrics"] = {"backlogged": (
             _backlogged(1000.0, (1 / 3, 1 / 3, 1 / 3), 0.0) if r["variant"] == "fifo"
@@ -157,7 +157,7 @@ def test_shares_table_reports_token_and_dispatched_cost_errors_and_dry_tenants(t
     assert "| 0.150 / 0.286 / 0.564 | **5.0%** | 0.0% | 0.990 |" in pre and pre.endswith("| yes |")
     assert rows["| fifo"].endswith("| ran dry: w4 |")
     row = summary_shares(Results(tmp_path, "res"))
-    assert row[1].startswith("**5.0%**") and "dispatched cost: 0.0%" in row[1]
+    assert row[1].startswith("**5.0%** (drr 5.0%)") and "drr's dispatched cost: 0.0%" in row[1]
     assert row[2] == "≤ 2% — missed"
 
 def _chaos_run(name: str, rep: int = 0, **kw) -> dict:
