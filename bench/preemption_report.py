@@ -311,7 +311,8 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
           "generated** | w1 share | w2 share | w4 share | **max rel. share error** | "
           "dispatched-cost share error | errors |")
         p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-        for v, bk in backlog_stats(recs).items():
+        by_backlog = backlog_stats(recs)
+        for v, bk in by_backlog.items():
             bs, vs, rel = bk["runs"], bk["vs_fifo"], bk["rel"]
             back[v] = {"vs_fifo": summarize(vs).median, "rel": summarize(rel).median,
                        "rel_max": summarize(rel).hi,
@@ -329,9 +330,9 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
         p("\nTargets shares: w1 0.143, w2 0.286, w4 0.571. Shares = completion tokens "
           "streamed in the window; dispatched-cost share = the same split of DRR's charged "
           "cost (`dispatched_cost_total`) in the window.\n")
-        dry = [f"{v}#{rep}: {', '.join(d)}" for v, bk in backlog_stats(recs).items()
+        dry = [f"{v}#{rep}: {', '.join(d)}" for v, bk in by_backlog.items()
                for rep, b in bk["runs"] if (d := dry_tenants(b))]
-        sampled = any("min_queue_depth" in b for bk in backlog_stats(recs).values()
+        sampled = any("min_queue_depth" in b for bk in by_backlog.values()
                       for _, b in bk["runs"])
         p("Every tenant backlogged throughout (dispatcher queue sampled once a second): "
           + ("not recorded by this run" if not sampled else

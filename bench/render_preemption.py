@@ -272,14 +272,15 @@ SHARES = "preemption_shares"
 def summary_shares(res: Results) -> list[str]:
     """The 1:2:4 shares target from the backlogged phase's own run
     (`preemption_shares.json`: a fresh fleet per repetition, nothing before it)."""
-    back = backlog_stats(_run(res, SHARES)[0])
+    recs, run_args = _run(res, SHARES)
+    back = backlog_stats(recs)
     b = back.get(PV)
     if b is None:
         raise RenderError(f"{SHARES}.json has no backlogged phase for {PV}")
     rel = median(b["rel"])
     drr = back.get("drr", {})
     return [f"§6 1:2:4 weighted shares with preemption on, all backlogged, own run "
-            f"({len(b['rel'])} interleaved reps, {vars(_run(res, SHARES)[1]).get('window_s', 0):g} s "
+            f"({len(b['rel'])} interleaved reps, {vars(run_args).get('window_s', 0):g} s "
             "window): largest relative error of a tenant's streamed-token share (drr alone)",
             f"**{fmt_sum([x * 100 for x in b['rel']], '%', digits=1)}**"
             + (f" (drr {fmt_sum([x * 100 for x in drr['rel']], '%', digits=1)})"

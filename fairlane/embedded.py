@@ -48,21 +48,36 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str,
-                   host: str = "127.0.0.1") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EmbeddedServerError(f"{name} exited early with code {proc.returncode}")
+def wait_for_port(port: int, deadline: float, check_alive: Callable[[], None], name: str,
+                  host: str = "127.0.0.1") -> None:
+    """Until `host`:`port` accepts a connection. `check_alive` raises if what should
+    listen has died (checked again after the connect: what answered may be someone
+    else's); past `deadline` (time.monotonic) it is an EmbeddedServerError."""
+    while True:
+        check_alive()
         try:
             with socket.create_connection((host, port), timeout=0.2):
                 break
         except OSError:
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError(f"{name} did not listen on port {port}") from None
             time.sleep(0.02)
-    else:
-        raise EmbeddedServerError(f"{name} did not listen on port {port} within {timeout_s}s")
-    if proc.poll() is not None:  # what answered was someone else, and ours is gone
-        raise EmbeddedServerError(f"{name} exited early with code {proc.returncode}")
+    check_alive()
+
+
+async def wait_listening(port: int, deadline: float, check_alive: Callable[[], None],
+                         name: str) -> None:
+    """`wait_for_port` from a coroutine, without blocking its event loop."""
+    await asyncio.to_thread(wait_for_port, port, deadline, check_alive, name)
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str,
+                   host: str = "127.0.0.1") -> None:
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise EmbeddedServerError(f"{name} exited early with code {proc.returncode}")
+
+    wait_for_port(port, time.monotonic() + timeout_s, alive, name, host)
 
 
 def _stop(proc: subprocess.Popen | None, timeout_s: float = 5.0) -> None:
@@ -277,19 +292,3 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-async def wait_listening(port: int, deadline: float, check_alive: Callable[[], None],
-                         what: str) -> None:
-    """Until 127.0.0.1:`port` accepts a connection; `check_alive` may raise (a child
-    died), and past `deadline` (time.monotonic) it is an error."""
-    while True:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} not listening on port {port}") from None
-            await asyncio.sleep(0.1)
