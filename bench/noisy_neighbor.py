@@ -32,8 +32,8 @@ The old "B behind A's 10,000 burst" scenario is gone: bench/preemption.py measur
 realistic lengths with >= 200 probes per repetition.
 
 Writes bench/results/noisy_neighbor.md + .json (--quick: noisy_neighbor.quick.*), the
-markdown rendered by bench/render_noisy.py. Runtime on the 2-core dev VM: full ~23 min
-(3 policies x 5 reps, ~85 s per (policy, rep) + ~30 s calibration; `--short` adds
+markdown rendered by bench/render_noisy.py. Runtime on the 2-core dev VM: full ~30 min
+(3 policies x 5 reps, ~115 s per (policy, rep) + ~30 s calibration; `--short` adds
 ~75 s per (policy, rep) and a second calibration), --quick ~1.7 min (1 rep, 6-8 s
 windows: the 1:2:4 shares have not settled by then and the tails are "max=").
 """
@@ -378,7 +378,9 @@ def main() -> int:
     ap.add_argument("--light-share", type=float, default=0.5,
                     help="each light tenant's rate as a fraction of an equal (1/4) share")
     ap.add_argument("--weighted-warmup-s", type=float, default=None)
-    ap.add_argument("--weighted-window-s", type=float, default=None)
+    ap.add_argument("--weighted-window-s", type=float, default=None,
+                    help="the 1:2:4 shares' window (default 60 s: the window the shares "
+                         "target is stated over; --quick 6 s)")
     ap.add_argument("--asym-warmup-s", type=float, default=None)
     ap.add_argument("--asym-window-s", type=float, default=None)
     ap.add_argument("--calib-warmup-s", type=float, default=None)
@@ -400,7 +402,7 @@ def main() -> int:
     args = ap.parse_args()
     q = args.quick
     defaults = {"reps": 1 if q else 5,
-                "weighted_warmup_s": 4.0 if q else 8.0, "weighted_window_s": 6.0 if q else 30.0,
+                "weighted_warmup_s": 4.0 if q else 8.0, "weighted_window_s": 6.0 if q else 60.0,
                 "asym_warmup_s": 4.0 if q else 8.0, "asym_window_s": 8.0 if q else 35.0,
                 "calib_warmup_s": 4.0 if q else 8.0, "calib_window_s": 5.0 if q else 15.0}
     for k, v in defaults.items():
