@@ -4,7 +4,7 @@ records that `bench.preemption.run_unit` collected (`bench.harness.RunRecord`)."
 from __future__ import annotations
 
 from argparse import Namespace
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from bench.common import quantile
 from bench.harness import (
@@ -187,8 +187,9 @@ def dispatched_cost_error(b: dict) -> float | None:
     None for a run that did not scrape it. Beside the streamed-token shares it tells the
     scheduler's split from the window's edges: requests in flight when the window opens
     and closes make the tokens streamed in it differ from the work dispatched in it.
-    With preemption on it is no share of work done: a continuation is charged again at
-    its dispatch (its new work plus the prefill it redoes)."""
+    With preemption on it is no share of work done: the counter adds each dispatch's
+    estimate, so a preempted request's first run counts whole and its continuation
+    counts again for the work it has left."""
     cost = {k: b.get("prom_delta", {}).get(f"dispatched_cost/{k}") for k in b["target"]}
     total = sum(c for c in cost.values() if c)
     if not total or not all(cost.values()):
@@ -200,6 +201,12 @@ def dry_tenants(b: dict) -> list[str]:
     """Tenants whose dispatcher queue was seen empty in the window (sampled once a
     second): not backlogged all along, so their share says what they asked for."""
     return sorted(k for k, q in (b.get("min_queue_depth") or {}).items() if q is not None and q < 1)
+
+
+def queue_depth_recorded(runs: Iterable[dict]) -> bool:
+    """Whether every backlogged phase sampled the tenants' queues (files written before
+    the bench did carry no `min_queue_depth`: "not recorded", never "yes")."""
+    return all("min_queue_depth" in b for b in runs)
 
 
 def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> str:
@@ -332,8 +339,7 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
           "cost (`dispatched_cost_total`) in the window.\n")
         dry = [f"{v}#{rep}: {', '.join(d)}" for v, bk in by_backlog.items()
                for rep, b in bk["runs"] if (d := dry_tenants(b))]
-        sampled = any("min_queue_depth" in b for bk in by_backlog.values()
-                      for _, b in bk["runs"])
+        sampled = queue_depth_recorded(b for bk in by_backlog.values() for _, b in bk["runs"])
         p("Every tenant backlogged throughout (dispatcher queue sampled once a second): "
           + ("not recorded by this run" if not sampled else
              "**no**: queue seen empty in " + "; ".join(dry) + " (those shares are demand, "

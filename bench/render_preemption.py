@@ -18,6 +18,7 @@ from bench.preemption_report import (
     dry_tenants,
     load_records,
     probe_stats,
+    queue_depth_recorded,
 )
 from bench.render_common import (
     RenderError,
@@ -182,7 +183,7 @@ def shares_table(res: Results, args: list[str], _old: str) -> str:
             fmt_sum([m["preemptions_per_s"] for m in runs], digits=2),
             fmt_sum([m["recomputed_pct"] for m in runs], "%", digits=2),
             ("ran dry: " + ", ".join(dry)) if dry else
-            ("yes" if all("min_queue_depth" in m for m in runs) else "not recorded"),
+            ("yes" if queue_depth_recorded(runs) else "not recorded"),
         ])
     header = ["variant", "reps", "w1 / w2 / w4 token shares", "**max rel. error**",
               "dispatched-cost error (drr: the scheduler's split)", "tok/s ÷ fifo", "preemptions/s", "recomputed",

@@ -136,7 +136,6 @@ def test_targets_table_checks_drr_preempt_against_the_targets(tmp_path):
         "| 1:2:4 weighted shares, max relative error, preemption on"]
 
 
-
 def test_shares_table_reports_token_and_dispatched_cost_errors_and_dry_tenants(tmp_path):
     from bench.render_preemption import summary_shares
     doc = _preemption_doc({"fifo": [[1000]], "drr": [[300]], "drr+preempt": [[30]]}, [10])
@@ -159,6 +158,7 @@ def test_shares_table_reports_token_and_dispatched_cost_errors_and_dry_tenants(t
     row = summary_shares(Results(tmp_path, "res"))
     assert row[1].startswith("**5.0%** (drr 5.0%)") and "drr's dispatched cost: 0.0%" in row[1]
     assert row[2] == "≤ 2% — missed"
+
 
 def _chaos_run(name: str, rep: int = 0, **kw) -> dict:
     run = {"scenario": name, "rep": rep, "fault": f"{name} fault", "submitted": 10,
