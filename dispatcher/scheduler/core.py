@@ -111,8 +111,7 @@ class Scheduler:
         return self._loads.loads
 
     def sweep_tenants(self, now_ms: float, idle_ms: float) -> TenantChanges:
-        """Forget tenants idle for `idle_ms`, with the policy state they owe nothing on
-        (`dispatcher.scheduler.loads`): O(tenants changed + forgotten)."""
+        """Forget tenants idle for `idle_ms` and the policy state they owe nothing on."""
         changes = self._loads.sweep(now_ms, idle_ms)
         self.config.forget_unknown(changes.forgotten)
         self.policy.forget_idle(changes.forgotten, now_ms)
@@ -293,21 +292,22 @@ class Scheduler:
                 self.policy.take(held, now_ms)
             if kv_budget is not None:
                 kv_budget -= req.kv_tokens
-            out.append(self._dispatch(req, now_ms))
+            out.append(self._dispatch(req, now_ms, held=held is not None))
         return out
 
-    def _dispatch(self, req: QueuedRequest, now_ms: float) -> Dispatch:
+    def _dispatch(self, req: QueuedRequest, now_ms: float, held: bool = False) -> Dispatch:
         del self._queued[req.request_id]
         self._unqueue(req)
         cost = self.policy.charge(req, now_ms)
         req.est_cost = cost
         req.est_kv_tokens = req.kv_tokens
         load = self._loads.touch(req.tenant)
-        # Engine priority = tier priority x 1000 + the tenant's requests already in
-        # flight. Within a tier the engine's waiting queue then serves tenants with
-        # less running first (a small tenant does not queue behind a flood's prefetched
-        # work), and under KV pressure vLLM evicts the heaviest tenant's work first.
-        bump = min(load.num_in_flight, ENGINE_PRIORITY_SPAN - 1)
+        # Engine priority = tier priority x 1000 + the tenant's requests in flight: the
+        # engine's waiting queue serves lighter tenants first (a small tenant does not
+        # queue behind a flood's prefetched work); vLLM evicts the heaviest's first under
+        # KV pressure. A held request (a preemption freed its slot) goes first in its
+        # tier, or work prefetched for lighter tenants takes the slot (the victim's own).
+        bump = 0 if held else min(load.num_in_flight, ENGINE_PRIORITY_SPAN - 1)
         load.num_in_flight += 1
         load.kv_tokens_in_flight += req.est_kv_tokens
         load.dispatched_cost += cost
@@ -423,7 +423,7 @@ class Scheduler:
         if req is None or self._queued.get(request_id) is not req:
             return None
         self.policy.take(req, now_ms)
-        return self._dispatch(req, now_ms)
+        return self._dispatch(req, now_ms, held=True)
 
     def preempted(self, request_id: str, num_generated_tokens: int, now_ms: float,
                   worker_id: str | None = None) -> QueuedRequest | None:
