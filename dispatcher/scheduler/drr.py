@@ -158,18 +158,27 @@ class DrrPolicy:
 
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
         cost = estimate_cost(self.cost_model, req)
-        self._book.state(req).credit -= cost
+        st = self._book.state(req)
+        st.credit -= cost
+        ring = self._rings.get(st.tier)
+        req.charged_alone = not ring or (len(ring) == 1 and ring[0] is st)
         return cost
 
     def refund(self, req: QueuedRequest, now_ms: float) -> float:
-        self._book.state(req).credit += req.est_cost
+        if not req.charged_alone:  # paid from a quantum nobody contended: not owed back
+            self._book.state(req).credit += req.est_cost
         return req.est_cost
 
     def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
         # A continuation's earlier runs were charged `paid_cost`: the total is trued up.
         delta = self.cost_model.actual(req, usage) - req.est_cost - req.paid_cost
-        if delta <= 0 and (req.tier, req.tenant) not in self._book.states:
-            return delta  # forgotten, idle: credit would be forfeit at once anyway
+        if delta <= 0 and (req.charged_alone or (req.tier, req.tenant) not in self._book.states):
+            # Forgotten and idle: credit would be forfeit at once anyway. Charged alone
+            # in its tier's ring: it was paid from quanta nobody else wanted (a lone
+            # tenant gets one per visit), so the overpayment is not owed back: given
+            # back, it would let the tenant run work it started on an idle fleet (a
+            # preempted continuation, typically) on top of its share once others wait.
+            return delta
         st = self._book.state(req)
         st.credit -= delta
         if st.credit > 0 and not st.active and not st.parked:

@@ -174,6 +174,9 @@ class VtcPolicy:
     def charge(self, req: QueuedRequest, now_ms: float) -> float:
         cost = estimate_cost(self.cost_model, req)
         st = self._book.state(req)
+        # No other tenant of the tier backlogged (an out-of-turn charge counts as
+        # contended): what it overpaid is not given back (see `DrrPolicy.true_up`).
+        req.charged_alone = not st.active and self._min_counter(st.tier) is None
         st.credit -= cost / st.weight
         self._last[st.tier] = self._counter(st)
         if st.active or (st.queue and not st.parked):
@@ -183,6 +186,8 @@ class VtcPolicy:
         return cost
 
     def refund(self, req: QueuedRequest, now_ms: float) -> float:
+        if req.charged_alone:
+            return req.est_cost
         st = self._book.state(req)
         st.credit += req.est_cost / st.weight
         if st.active:
@@ -192,6 +197,8 @@ class VtcPolicy:
     def true_up(self, req: QueuedRequest, usage: ActualUsage, now_ms: float) -> float:
         # A continuation's earlier runs were charged `paid_cost`: the total is trued up.
         delta = self.cost_model.actual(req, usage) - req.est_cost - req.paid_cost
+        if delta <= 0 and req.charged_alone:
+            return delta  # overpaid from a counter nobody contended: not given back
         st = self._book.state(req)
         st.credit -= delta / st.weight
         if st.active:

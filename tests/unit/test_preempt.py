@@ -355,19 +355,22 @@ def test_held_slot_beats_the_victims_drr_deficit():
     """Why the core holds the freed slot: DRR alone would hand it back to the victim.
 
     a is in its DRR turn with credit left; preempting refunds the work a's request did
-    not do, and its cheap continuation sits at the front of a's queue, so DRR's next
-    pick is a's continuation. The hold gives the slot to b, the tenant it was freed for.
+    not do (a paid for it in a turn c contended), and its cheap continuation sits at the
+    front of a's queue, so DRR's next pick is a's continuation. The hold gives the slot
+    to b, the tenant it was freed for.
     """
     s = Scheduler(cfg(cost_model="tokens", quantum=1000))
     flood(s, "a", 10, 0, prompt=10, out=100)
-    a_ids = run(s, 4, [0, 1, 2, 3])
+    flood(s, "c", 10, 0, prompt=10, out=100)
+    ids = run(s, 12, list(range(12)))  # a and c: 6 slots each, a's turn is on
+    a_ids = [r for r in ids if r.startswith("a")]
     (b1,) = flood(s, "b", 1, 100, prompt=10, out=100)
     (order,) = s.preemptions(2000, 0, worker_of)
-    assert order.request_id == a_ids[3]
-    s.preempted(a_ids[3], 5, 2000)
+    assert order.request_id == a_ids[-1]
+    s.preempted(a_ids[-1], 5, 2000)
     unheld = copy.deepcopy(s)
     unheld.preemptor.held.clear()
-    assert unheld.select(1, 2000)[0].request.request_id == a_ids[3]  # DRR's own pick
+    assert unheld.select(1, 2000)[0].request.request_id == a_ids[-1]  # DRR's own pick
     assert s.select(1, 2000)[0].request.request_id == b1.request_id
 
 
@@ -451,3 +454,31 @@ def test_a_backlogged_tenant_preempts_only_after_being_short_for_preempt_after_m
     # A free slot resets the clock: the next shortfall starts from zero.
     s.preempted(order.request_id, 1, 1200)
     assert s.preemptions(1300, 1, worker_of) == [] and not s.preemptor.short_since
+
+
+@pytest.mark.parametrize("with_order", [True, False])
+def test_the_request_a_slot_was_freed_for_goes_first_in_its_tier_in_the_engine(with_order):
+    """Ranked by its tenant's count in flight, a backlogged waiter would queue in the
+    engine behind work prefetched for lighter tenants, and that work would take the
+    freed slot: the held request gets its tier's first engine priority, whether it
+    rides with the order or a pull takes it first."""
+    s = Scheduler(cfg(tiers=[TierConfig("free", engine_priority=10)], preempt_after_ms=200,
+                      quiet_preempt_after_ms=0, min_run_ms=0))
+    flood(s, "a", 20, 0, tier="free")
+    flood(s, "b", 20, 0, tier="free")
+    ids = run(s, 4, 0)  # a and b: 2 slots each, both backlogged
+    s.on_finished(next(r for r in ids if r.startswith("b")), None, 1000)
+    (d,) = s.select(1, 1000)  # DRR hands the slot to a: b is short by a whole slot
+    assert d.request.tenant == "a" and s.on_started(d.request.request_id, 1000)
+    assert s.preemptions(1000, 0, worker_of) == []
+    (order,) = s.preemptions(1200, 0, worker_of)
+    assert order.for_tenant == "b"
+    if with_order:
+        held = s.dispatch_held(order.for_request.request_id, 1200)
+    else:
+        s.preempted(order.request_id, 1, 1200)
+        (held,) = s.select(1, 1200)
+    assert held.request is order.for_request and held.engine_priority == 10_000
+    (later,) = s.select(1, 1200)  # the policy's next pick: ranked by its tenant's count
+    assert later.request.tenant == "a" and later.engine_priority > 10_000
+
