@@ -29,15 +29,16 @@ simulator honours `expected_output_tokens`). TTFT = the client's monotonic clock
     above free) probes every 100 ms for `--probe-s`.
  3. backlogged 1:2:4: tenants w1, w2, w4 (free tier, weights 1, 2, 4) each keep
     `--outstanding` requests in the system (closed loop; far above the 64 slots), every
-    slot busy; over a `--window-s` (60 s) window: completion tokens/s (throughput,
-    compared with fifo of the same repetition), each tenant's share of the tokens
+    slot busy; after a `--warmup-s` (15 s) start-up, over a `--window-s` (60 s)
+    window: completion tokens/s (throughput, compared with fifo of the same
+    repetition), each tenant's share of the tokens
     streamed, preemptions/s (Preempted events on fl.evt.<pool>, cross-checked with the
     dispatcher's fairlane_dispatcher_preemptions_total) and recomputed prefill tokens
     (Finished events' usage) as % of tokens generated.
 
 Workers run with the worker's default prefetch (`--prefetch-seqs 4`) in every variant:
 the waiting request travels with the preemption order and outranks the prefetched work
-in the engine's queue, and pulls report how many of their items would start at once, so
+in the engine's queue (its tier's first engine priority), and pulls report how many of their items would start at once, so
 prefetch no longer hides a full fleet from the preemption decision. `--prefetch-seqs 0`
 runs without prefetch.
 
@@ -50,7 +51,7 @@ the cost. `--preempt-after-ms` sets the backlogged threshold (variant `drr+preem
 runs 50 ms beside it).
 
 Writes bench/results/preemption.md + .json (--quick: preemption.quick.md/.json).
-Runtime on the 2-core dev VM: full 28 min (3 reps x 3 variants; alone references in
+Runtime on the 2-core dev VM: full 29 min (3 reps x 3 variants; alone references in
 the first rep only), --quick ~4 min (1 rep, burst 1,000, 5 s probe windows: tails there
 are "max=" by construction).
 """
@@ -362,7 +363,11 @@ def main() -> int:
                     help="after that, how long started probes may take to finish (Usage)")
     ap.add_argument("--outstanding", type=int, default=60,
                     help="closed-loop requests per backlogged tenant")
-    ap.add_argument("--warmup-s", type=float, default=None)
+    ap.add_argument("--warmup-s", type=float, default=None,
+                    help="backlogged: seconds before the window (default 15): the closed "
+                         "loops start one tenant after another, so the first fills the idle "
+                         "fleet (work-conserving, not debt) and holds the excess until those "
+                         "requests end (up to ~5 s at 384 tokens) or are preempted")
     ap.add_argument("--window-s", type=float, default=None)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=32)
@@ -387,7 +392,7 @@ def main() -> int:
     q = args.quick
     defaults = {"reps": 1 if q else 3, "burst": 1_000 if q else 10_000,
                 "tier_burst": 600 if q else 2_000, "probe_s": 5.0 if q else 20.5,
-                "alone_s": 5.0 if q else 20.5, "warmup_s": 4.0 if q else 6.0,
+                "alone_s": 5.0 if q else 20.5, "warmup_s": 4.0 if q else 15.0,
                 "window_s": 10.0 if q else 60.0}
     for k, v in defaults.items():
         if getattr(args, k) is None:
