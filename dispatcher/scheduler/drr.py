@@ -18,7 +18,10 @@ Cost per decision is O(1) in the number of tenants:
 Departures from textbook DRR, deliberately:
 - a tenant whose queue empties forfeits positive deficit (as in DRR) but *keeps debt*
   (a negative deficit from a true-up): nobody gains share by under-declaring;
-- parking a blocked tenant does not reset its deficit.
+- parking a blocked tenant does not reset its deficit;
+- an overpayment (a true-up below the estimate, a preempted run) comes back as credit
+  only if the charge was made while another tenant was in the ring: a lone tenant's
+  quanta cost nobody anything (it gets one per visit).
 
 Memory follows the active tenants: an idle tenant that owes nothing has no state (it
 is dropped when its queue empties, or by `forget_idle` once the scheduler has seen it
