@@ -40,7 +40,7 @@ class QueuedRequest:
     resume_cost: float = 0.0  # a continuation's estimated cost: the work left, nothing more
     home_worker: str | None = None  # a continuation: the worker whose prefix cache has it
     # Its last charge was made while no other tenant of its tier waited (a quantum or a
-    # counter nobody else contended): its refunds do not come back as credit (`drr`).
+    # counter nobody else contended): its refunds do not come back as credit (drr, vtc).
     charged_alone: bool = False
     # Opaque to the core: the shell's handle (JetStream message, decoded request).
     payload: Any = field(default=None, repr=False, compare=False)
