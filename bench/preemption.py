@@ -38,9 +38,9 @@ simulator honours `expected_output_tokens`). TTFT = the client's monotonic clock
 
 Workers run with the worker's default prefetch (`--prefetch-seqs 4`) in every variant:
 the waiting request travels with the preemption order and outranks the prefetched work
-in the engine's queue (its tier's first engine priority), and pulls report how many of their items would start at once, so
-prefetch no longer hides a full fleet from the preemption decision. `--prefetch-seqs 0`
-runs without prefetch.
+in the engine's queue (its tier's first engine priority), and pulls report how many of
+their items would start at once, so prefetch no longer hides a full fleet from the
+preemption decision. `--prefetch-seqs 0` runs without prefetch.
 
 drr+preempt runs the pool defaults: a quiet tenant (running + queued within its fair
 share) preempts at once, a backlogged one after being short for `preempt_after_ms`

@@ -481,4 +481,3 @@ def test_the_request_a_slot_was_freed_for_goes_first_in_its_tier_in_the_engine(w
     assert held.request is order.for_request and held.engine_priority == 10_000
     (later,) = s.select(1, 1200)  # the policy's next pick: ranked by its tenant's count
     assert later.request.tenant == "a" and later.engine_priority > 10_000
-
