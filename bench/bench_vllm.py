@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.bench_vllm_report import HOW_TO_READ, VARIANTS, report  # noqa: E402
+from bench.cpu_layout import describe, isolate_engine, omp_bind, parse_engine_cpus  # noqa: E402
 from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "vllm.md"
@@ -332,12 +333,14 @@ async def run(args, variants: list[str]) -> tuple[list, list, dict]:
     from bench.calibrate_sim import describe_machine
     from fairlane.embedded import NatsServer
     from gpu_worker.sim.engine import SimEngine
+    from gpu_worker.sim.step_model import load_step_model
     from gpu_worker.vllm_engine import VllmEngine, VllmEngineConfig
     from tests.vllm.tiny_model import write_tiny_model
 
     setup = setup_of(args, variants)
     setup["machine_detail"] = (f"{describe_machine()}; VLLM_CPU_OMP_THREADS_BIND="
                                f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '')}")
+    setup["cpu_layout"] = describe(args.engine_cpu_set, os.cpu_count() or 1)
     setup["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
     model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-llama-")))
     engine = VllmEngine(VllmEngineConfig(
@@ -346,6 +349,8 @@ async def run(args, variants: list[str]) -> tuple[list, list, dict]:
     ))
     sim = SimEngine("vllm_cpu_tiny", max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
                     time_scale=1.0)
+    step_model = load_step_model("vllm_cpu_tiny")
+    setup["step_model"] = f"{step_model.notes.split(' by ')[0]} on {step_model.measured_on}"
     nats_server = NatsServer().start()
     fleets = []
     try:
@@ -353,6 +358,8 @@ async def run(args, variants: list[str]) -> tuple[list, list, dict]:
         await engine.start()
         setup["engine_start_s"] = time.monotonic() - t
         print(f"vLLM engine started in {setup['engine_start_s']:.1f}s", flush=True)
+        setup["pinned"] = isolate_engine(args.engine_cpu_set)
+        print(f"CPU layout: {setup['cpu_layout']}", flush=True)
         await sim.start()
         fleets = [Fleet(nats_server.url, engine, "vllm", args.prefetch_seqs),
                   Fleet(nats_server.url, sim, "sim", args.prefetch_seqs)]
@@ -393,6 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--direct-bound", type=int, default=None,
                    help="most requests direct keeps in the engine (default: max_num_seqs "
                         "+ prefetch_seqs, the worker's bound; 0: all at once)")
+    p.add_argument("--engine-cpus", default="last",
+                   help="cores for vLLM's processes alone, everything else on the rest "
+                        "(bench/cpu_layout.py): 'last' (default: the last core), a list "
+                        "such as 1 or 2-3, or 'none' to share every core")
     p.add_argument("--timeout-s", type=float, default=1800,
                    help="give up (and stop everything) after this long")
     p.add_argument("--output", type=Path, default=RESULTS,
@@ -402,6 +413,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"prompt + output tokens must fit max_model_len {MAX_MODEL_LEN}")
     if args.direct_bound is None:
         args.direct_bound = MAX_NUM_SEQS + args.prefetch_seqs
+    try:
+        args.engine_cpu_set = parse_engine_cpus(args.engine_cpus, os.cpu_count() or 1)
+    except ValueError as exc:
+        p.error(str(exc))
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
@@ -413,10 +428,10 @@ def main() -> None:
     variants = [v for v in VARIANTS if v in args.variants.split(",")]  # canonical order
     # Set before vLLM is imported: its CPU backend reads it once.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # Unpinned OpenMP threads, as bench/preemption_vllm.py: vLLM-CPU's default pinning
-    # froze every process on the 2-core dev VM for seconds at a time, and the fleet's
-    # processes run beside the engine here. Set it in the environment to measure another.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # OpenMP threads on the engine's own cores (--engine-cpus), or unpinned when shared:
+    # vLLM-CPU's default pinning froze every process on the 2-core dev VM for seconds at
+    # a time. Set it in the environment to measure another.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind(args.engine_cpu_set))
     # SIGTERM unwinds like Ctrl-C, so `run`'s finally stops the engine and nats-server.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from fairlane.logs import configure_logging

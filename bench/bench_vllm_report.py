@@ -213,9 +213,10 @@ submitted at once) then the light one (one request at a time). Direct keeps at m
 worker keeps through the fleet, so both sides see the same queue depth; TTFT counts
 from submit, queueing included, on both sides. Ratios and differences are paired
 (fleet and direct of the same repetition), then median (min–max) over repetitions. A
-tail is a p99 only over >= 200 pooled samples, else "max=". On two shared cores the
-engine core keeps ~1.8 cores busy and the fleet's processes compete with it for the
-rest; read the range, not the median alone. The simulator's steps are sleeps on this
+tail is a p99 only over >= 200 pooled samples, else "max=". The CPU layout line says
+whether vLLM's processes had a core to themselves (`--engine-cpus`, the default: as the
+model has a GPU to itself on a GPU host) or shared every core with the fleet's
+processes, which then take their CPU from the model's. The simulator's steps are sleeps on this
 process's event loop, which in `sim-fleet` also runs the dispatcher, worker and client:
 their CPU work lengthens every simulated step (the real engine steps in a process of its
 own), so `sim-fleet` reads low when this process is short of CPU; `sim-direct` ÷
@@ -234,6 +235,8 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
         f"(first submit → last token)",
         f"- light: {s['light_requests']} requests one at a time per run "
         f"({s['light_prompt_tokens']} prompt + {s['light_max_tokens']} output tokens)",
+        f"- CPU layout: {s.get('cpu_layout', 'shared (not recorded: before --engine-cpus)')}",
+        f"- simulator step model: {s.get('step_model', 'not recorded')}",
         f"- {s['reps']} repetitions of {', '.join(s['variants'])}, order reversed every "
         f"other repetition, after {s['warmup']}",
     ]

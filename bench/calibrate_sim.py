@@ -12,7 +12,8 @@ overhead is included) on the tiny random-weight Llama from tests/vllm, then
 * prefill: times-to-first-token for single prompts of several lengths and for a
   few concurrent batches, fitting ``t = c + prompt_tokens / prefill_tokens_per_s``.
 
-Then it fits ``step_ms = base + per_seq * B + per_kv_token * kv_tokens`` by
+The engine runs on a core of its own (`--engine-cpus`, bench/cpu_layout.py), the layout
+bench/bench_vllm.py compares the simulator with it in. Then it fits ``step_ms = base + per_seq * B + per_kv_token * kv_tokens`` by
 non-negative least squares and writes the step model (format in
 `gpu_worker.sim.step_model`) with the raw samples. Prefix caching is off so repeated
 prompts are really prefilled. Bounded: about 1-2 minutes on two cores.
@@ -36,6 +37,8 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.cpu_layout import describe, isolate_engine, omp_bind, parse_engine_cpus  # noqa: E402
 
 DEFAULT_OUT = ROOT / "gpu_worker" / "sim" / "step_models" / "vllm_cpu_tiny.json"
 MAX_NUM_SEQS = 32
@@ -155,8 +158,11 @@ def describe_machine() -> str:
     )
 
 
-async def calibrate(command: str) -> dict:
+async def calibrate(command: str, engine_cpus: frozenset[int]) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The same layout as bench/bench_vllm.py's, so the simulator is fitted to the engine
+    # it is compared with there.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind(engine_cpus))
     from gpu_worker.sim.step_model import StepModel
     from gpu_worker.vllm_engine import VllmEngine, VllmEngineConfig
     from tests.vllm.tiny_model import write_tiny_model
@@ -178,6 +184,9 @@ async def calibrate(command: str) -> dict:
     t_start = time.monotonic()
     await engine.start()
     print(f"engine started in {time.monotonic() - t_start:.1f}s", flush=True)
+    isolate_engine(engine_cpus)
+    layout = describe(engine_cpus, os.cpu_count() or 1)
+    print(f"CPU layout: {layout}", flush=True)
     try:
         # Warm-up: first passes through oneDNN/attention paths are slow.
         await measure_decode(engine, 8, 256)
@@ -212,7 +221,7 @@ async def calibrate(command: str) -> dict:
     model = StepModel(
         name="vllm_cpu_tiny",
         measured=True,
-        measured_on=describe_machine(),
+        measured_on=f"{describe_machine()}; {layout}",
         command=command,
         notes=(
             f"Measured {now} by bench/calibrate_sim.py against vLLM-CPU through "
@@ -247,11 +256,18 @@ async def calibrate(command: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--engine-cpus", default="last",
+                        help="as bench/bench_vllm.py's: cores for vLLM alone ('last', a "
+                             "list such as 1, or 'none' to share every core)")
     args = parser.parse_args()
+    try:
+        engine_cpus = parse_engine_cpus(args.engine_cpus, os.cpu_count() or 1)
+    except ValueError as exc:
+        parser.error(str(exc))
     command = "python bench/calibrate_sim.py" + (
         f" --out {args.out}" if args.out != DEFAULT_OUT else ""
-    )
-    doc = asyncio.run(calibrate(command))
+    ) + (f" --engine-cpus {args.engine_cpus}" if args.engine_cpus != "last" else "")
+    doc = asyncio.run(calibrate(command, engine_cpus))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
     keys = ("step_base_ms", "step_per_seq_ms", "step_per_kv_token_ms", "prefill_tokens_per_s")
