@@ -8,9 +8,11 @@ shared). The production process layout, each process with its own event loop:
 - ONE `python -m gpu_worker --engine vllm` for the whole bench (the tiny random-weight
   Llama from tests/vllm, fp32, `--enforce-eager`, `--load-format dummy`, prefix caching
   on as the worker's default: a continuation's recompute is cheap on its own worker;
-  `--max-num-seqs` 16, the default prefetch 4, `--kv-cache-space-gib` 1, OpenMP
-  threads unpinned: see `run`); vLLM's engine core is its child process. It starts
-  once (~30 s) and serves every run;
+  `--max-num-seqs` 16, the default prefetch 4, `--kv-cache-space-gib` 1); vLLM's engine
+  core and model worker are its child processes. It starts once (~30 s) and serves
+  every run. Those two processes get a core of their own (`--engine-cpus`, default the
+  last core; bench/cpu_layout.py), every other process the rest: on a GPU host the
+  model's compute is on the GPU and the control plane never waits for it;
 - per (variant, repetition) a fresh `python -m dispatcher` with the variant's tenants
   file, on the same prefix and pool: dispatchers hand over one after another (the old
   one stops, releasing its lease, only once it holds nothing and the engine is idle).
@@ -60,6 +62,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import quantile  # noqa: E402
+from bench.cpu_layout import describe, isolate_engine, omp_bind, parse_engine_cpus  # noqa: E402
 from bench.harness import (  # noqa: E402
     RunMeta,
     collect,
@@ -246,12 +249,14 @@ async def run(args) -> str:
     from tests.vllm.tiny_model import write_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # inherited by the worker
-    # vLLM-CPU's default ("auto") pins the model's OpenMP thread to core 0 and keeps
-    # core 1 for everything else. Measured on this 2-core VM with the fleet's processes
-    # beside it: whole-machine stalls of 2-5 s (token streams, heartbeats, this loop
-    # and an unrelated sleeping process all stop at once), which dominated every tail
-    # here; unpinned ("nobind"): none. Set it in the environment to measure another.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # vLLM-CPU's default ("auto") pins the model's OpenMP thread to core 0 and leaves
+    # every other process free to run there too. Measured on this 2-core VM with the
+    # fleet's processes beside it: whole-machine stalls of 2-5 s (token streams,
+    # heartbeats, this loop and an unrelated sleeping process all stop at once). So
+    # OpenMP binds to the engine's cores when it has cores of its own (--engine-cpus,
+    # where every other process is kept off them), else it is unpinned ("nobind").
+    # Set it in the environment to measure another.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind(args.engine_cpu_set))
     meta = RunMeta.here()
     load0 = os.getloadavg()[0]  # other work on the machine shows in every figure here
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="preemption-vllm-"))
@@ -267,6 +272,10 @@ async def run(args) -> str:
         start_s = await worker.start_worker(
             worker_argv(args, nats_server.url, prefix, worker.worker_id, model_dir))
         print(f"vLLM worker up in {start_s:.1f}s", flush=True)
+        # The worker's engine processes (its children) get their cores; the worker's
+        # own loop, nats-server, this process and the dispatchers spawned from it later
+        # (they inherit this thread's cores) the rest.
+        isolate_engine(args.engine_cpu_set)
 
         async def one(variant: str, rep: int) -> dict:
             out: dict = {}
@@ -321,7 +330,8 @@ def report(records, args, wall_s: float, start_s: float, worker_problems: list[s
         f"the last holds nothing and the engine is idle; the client (the user) alone in "
         f"the bench process; each its own event loop. Lease and worker timeouts: the "
         f"production defaults (3 s, 3.5 s); `VLLM_CPU_OMP_THREADS_BIND="
-        f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']}`",
+        f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']}`; CPU layout: "
+        f"{describe(args.engine_cpu_set, os.cpu_count() or 1)}",
         f"- A: {args.burst} requests × {args.a_tokens} output tokens (greedy; the tiny "
         f"model has no EOS, so exactly that many), {PROMPT_TOKENS}-token prompts; B: one "
         f"request every {args.probe_interval_s * 1000:g} ms × {args.b_tokens} output tokens "
@@ -391,7 +401,15 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--output", help=f"results markdown (JSON beside it); default {RESULTS}")
     ap.add_argument("--log-dir", help="the processes' logs; default a fresh temp dir")
+    ap.add_argument("--engine-cpus", default="last",
+                    help="cores for the worker's vLLM engine processes alone, every other "
+                         "process on the rest (bench/cpu_layout.py): 'last' (default), a "
+                         "list such as 1, or 'none' to share every core")
     args = ap.parse_args()
+    try:
+        args.engine_cpu_set = parse_engine_cpus(args.engine_cpus, os.cpu_count() or 1)
+    except ValueError as exc:
+        ap.error(str(exc))
     # SIGTERM as Ctrl-C: the finally blocks stop every process this bench started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(asyncio.run(run(args)))

@@ -26,6 +26,7 @@ from bench.bench_vllm_report import (
 from bench.harness import RunRecord, verdict
 from bench.render_common import (
     Results,
+    fmt_sum,
     measured_records,
     median,
     one_stem,
@@ -33,7 +34,8 @@ from bench.render_common import (
     sources_line,
 )
 
-STEM = "vllm"
+STEM = "vllm"  # --engine-cpus last: vLLM's processes on a core of their own
+SHARED_STEM = "vllm_shared"  # --engine-cpus none
 
 
 def _run(res: Results, stem: str, need: Sequence[str] = ()) -> tuple[list[RunRecord], dict]:
@@ -62,6 +64,18 @@ def summary_throughput(res: Results) -> list[str]:
             row_source(res, STEM)]
 
 
+def summary_shared(res: Results) -> list[str]:
+    records, setup = _run(res, SHARED_STEM, ["direct", "fleet"])
+    thr = throughput_ratios(records)
+    direct = [r.metrics["loaded"]["tok_s"] for r in records if r.variant == "direct"]
+    return ["§3 the same, but every process shares both cores (a CPU-only host: the "
+            "fleet's processes take their CPU from the model's)",
+            f"{fmt_ratio(thr)} over {pairs_txt(len(thr), num_reps(records))}; direct's "
+            f"own tok/s: {fmt_sum(direct)}",
+            "— (the figure a GPU host owes is the row above)",
+            row_source(res, SHARED_STEM)]
+
+
 def summary_ttft(res: Results) -> list[str]:
     records, _ = _run(res, STEM, ["direct", "fleet"])
     return ["§3 TTFT overhead at light load on vLLM (fleet − direct)",
@@ -81,5 +95,6 @@ def summary_sim(res: Results) -> list[str]:
 
 
 KINDS = {"vllm": vllm_table}
-SUMMARY_ROWS = {"vllm-throughput": summary_throughput, "vllm-ttft": summary_ttft,
+SUMMARY_ROWS = {"vllm-throughput": summary_throughput, "vllm-shared": summary_shared,
+                "vllm-ttft": summary_ttft,
                 "vllm-sim": summary_sim}
