@@ -13,10 +13,10 @@ overhead is included) on the tiny random-weight Llama from tests/vllm, then
   few concurrent batches, fitting ``t = c + prompt_tokens / prefill_tokens_per_s``.
 
 The engine runs on a core of its own (`--engine-cpus`, bench/cpu_layout.py), the layout
-bench/bench_vllm.py compares the simulator with it in. Then it fits ``step_ms = base + per_seq * B + per_kv_token * kv_tokens`` by
-non-negative least squares and writes the step model (format in
-`gpu_worker.sim.step_model`) with the raw samples. Prefix caching is off so repeated
-prompts are really prefilled. Bounded: about 1-2 minutes on two cores.
+bench/bench_vllm.py compares the simulator with it in. Then it fits
+``step_ms = base + per_seq * B + per_kv_token * kv_tokens`` by non-negative least squares
+and writes the step model (format in `gpu_worker.sim.step_model`) with the raw samples.
+Prefix caching is off so repeated prompts are really prefilled. Bounded: about 1-2 minutes on two cores.
 """
 
 from __future__ import annotations
