@@ -87,8 +87,10 @@ class PreemptionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     # The same for a quiet tenant (running + queued within its fair share): fair
     # queueing promises it no wait, so by default it preempts at once.
     quiet_preempt_after_ms: float = 0.0
-    # Hysteresis: a request runs at least this long after it (re)started before it may be
-    # preempted (again), so a slot is not handed back and forth.
+    # Hysteresis: a continuation runs at least this long after it restarted before it
+    # may be preempted again, so a slot is not handed back and forth. A first run is not
+    # guarded: it is the cheapest victim, and a batch that turned over at once would
+    # otherwise make a quiet tenant wait this long.
     min_run_ms: float = 1_000.0
     max_per_s: int = 20  # preemptions ordered in any 1 s window, per pool
     max_per_request: int = 3  # after this many, a request runs to its end

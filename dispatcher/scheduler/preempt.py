@@ -26,8 +26,9 @@ requeues it as a continuation charged only for new work.
   furthest above its share by the policy's own measure (`Policy.fair_shares`), and
   only if the policy calls the move fair (no tenant is preempted for itself, nor one
   that is not above its share). Then that tenant's request that generated least —
-  proxy: fewest earlier preemptions, then the most recent start. Never a request that
-  ran less than `min_run_ms` since it (re)started (hysteresis), nor one preempted
+  proxy: fewest earlier preemptions, then the most recent start. Never a continuation
+  that ran less than `min_run_ms` since it restarted (hysteresis: a slot is not handed
+  back and forth; a first run is fair game at once), nor one preempted
   `max_per_request` times already (so every request ends), nor one not yet started or
   whose worker is unknown.
 - **Who gets the slot**: the waiting request the order names. The core *holds* the
@@ -212,8 +213,14 @@ class _Decision:
                 continue  # leaving: its slot is promised to a held waiter
             req = f.request
             self._run(f.tier_index)[req.tenant] += 1
-            if (f.started_ms is not None and f.started_ms <= started_by
-                    and req.num_preemptions < cfg.max_per_request):
+            # Hysteresis guards continuations only: a first run has no slot history
+            # to ping-pong, and protecting it made a quiet tenant wait up to
+            # min_run_ms whenever a batch had just turned over at once (measured:
+            # bench/preemption_vllm.py, B's first probes after A's 16 equal-length
+            # requests ended together waited ~0.9 s). A fresh start is also the
+            # cheapest victim: it has generated least.
+            if (f.started_ms is not None and req.num_preemptions < cfg.max_per_request
+                    and (req.num_preemptions == 0 or f.started_ms <= started_by)):
                 key = (f.tier_index, req.tenant)
                 some = victims.get(key)
                 if some is None:

@@ -106,13 +106,21 @@ def test_a_decision_that_found_nothing_is_rechecked_after_recheck_ms():
     assert len(s.preemptions(310, 0, worker_of)) == 1
 
 
-def test_no_victim_under_min_run_ms():
+def test_min_run_ms_guards_continuations_not_first_runs():
     s = Scheduler(cfg(min_run_ms=1000))
     flood(s, "a", 10, 0)
-    a_ids = run(s, 4, [0, 1500, 1600, 1700])
+    a_ids = run(s, 4, [1500, 1600, 1700, 1800])
+    for rid in a_ids[1:]:  # three continuations, restarted 200-400 ms before 2000
+        s.in_flight_request(rid).num_preemptions = 1
     flood(s, "b", 1, 1500)
-    (order,) = s.preemptions(2000, 0, worker_of)  # only a_ids[0] has run 1000 ms
+    # A first run is preempted at once (the batch may have just turned over);
+    # the continuations restarted under 1000 ms ago are not.
+    (order,) = s.preemptions(2000, 0, worker_of)
     assert order.request_id == a_ids[0]
+    flood(s, "c", 1, 2000)
+    assert s.preemptions(2000, 0, worker_of) == []  # c waits for a continuation's 1000 ms
+    (order,) = s.preemptions(2600, 0, worker_of)
+    assert order.request_id == a_ids[1]  # the only one that ran 1000 ms since its restart
 
 
 def test_a_request_preempted_max_per_request_times_runs_to_its_end():

@@ -128,7 +128,8 @@ class Fleet:
         for o in orders:
             rid, w = o.request_id, o.for_request
             assert rid in self.running and self.worker[rid] == o.worker_id
-            assert self.now - self.running[rid] >= cfg.min_run_ms
+            if o.request.num_preemptions:  # hysteresis guards continuations only
+                assert self.now - self.running[rid] >= cfg.min_run_ms
             assert o.request.num_preemptions < cfg.max_per_request
             assert o.request.tenant != w.tenant
             assert self.s.tiers.index(o.request.tier) >= self.s.tiers.index(w.tier)  # never up
