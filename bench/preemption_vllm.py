@@ -67,13 +67,12 @@ from bench.harness import (  # noqa: E402
     RunMeta,
     collect,
     fmt_tail,
-    p99,
-    ratio,
     run_interleaved,
     summarize,
     verdict,
     write_results,
 )
+from bench.preemption_vllm_figures import TARGET_RATIO, VARIANTS, variant_figures  # noqa: E402
 from bench.preemption_vllm_proc import (  # noqa: E402
     PREEMPTIONS,
     TIER,
@@ -88,7 +87,6 @@ from fairlane.embedded import free_port  # noqa: E402
 POOL = "bench"
 MAX_MODEL_LEN = 1024
 PROMPT_TOKENS = 32
-VARIANTS = ["drr", "drr+preempt"]
 RESULTS = ROOT / "bench" / "results" / "preemption_vllm.md"
 
 
@@ -348,18 +346,12 @@ def report(records, args, wall_s: float, start_s: float, worker_problems: list[s
     ]
     ratios = {}
     for v in VARIANTS:
-        alone = [x for xs in collect(records, v, "alone") if xs for x in xs]
-        during = [xs for xs in collect(records, v, "during") if xs]
-        a_tail = p99(alone) if p99(alone) is not None else (max(alone) if alone else None)
-        p50s = summarize(quantile(xs, 0.5) for xs in during)
-        tails = summarize((p99(xs) if p99(xs) is not None else max(xs)) for xs in during)
-        ratios[v] = summarize(ratio(p99(xs) if p99(xs) is not None else max(xs), a_tail)
-                              for xs in during)
-        pre = summarize(collect(records, v, "preemptions_per_s"))
+        f = variant_figures(records, v)
+        ratios[v] = f.ratios
         lines.append(
-            f"| {v} | {len(alone)} | {quantile(alone, 0.5):.1f} | {fmt_tail(alone)} | "
-            f"{p50s.fmt()} | {tails.fmt()} (n {'/'.join(str(len(xs)) for xs in during)}) | "
-            f"**{ratios[v].fmt(2)}** | {pre.fmt()} |")
+            f"| {v} | {len(f.alone)} | {quantile(f.alone, 0.5):.1f} | {fmt_tail(f.alone)} | "
+            f"{f.p50s.fmt()} | {f.tails.fmt()} (n {'/'.join(str(len(xs)) for xs in f.during)})"
+            f" | **{f.ratios.fmt(2)}** | {f.preemptions_per_s.fmt()} |")
     lines.append("\nStall diagnostics while B probed the busy engine, median (min–max) over "
                  "repetitions: the longest silence of all token streams, the longest "
                  "worker heartbeat gap (nominal ~1,000), this process's worst loop lag, "
@@ -383,8 +375,8 @@ def report(records, args, wall_s: float, start_s: float, worker_problems: list[s
                  f"(dispatchers), {len(worker_problems)} (worker).")
     lines += [f"    {line[:200]}" for line in (logged + worker_problems)[:6]]
     r = ratios["drr+preempt"].median
-    lines.append(f"\nTarget (issue 10): B's TTFT p99 during ÷ alone ≤ 1.5 with preemption: "
-                 f"{r:.2f} — {verdict(r, 1.5)}.")
+    lines.append(f"\nTarget (issue 10): B's TTFT p99 during ÷ alone ≤ {TARGET_RATIO} with "
+                 f"preemption: {r:.2f} — {verdict(r, TARGET_RATIO)}.")
     return "\n".join(lines) + "\n"
 
 

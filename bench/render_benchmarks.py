@@ -14,8 +14,8 @@ is left as it is:
 Kinds (the renderers live in bench/render_preemption.py, render_chaos.py,
 render_churn.py, render_capacity.py, render_vllm.py, render_fidelity.py,
 render_memory.py, render_scheduler.py, render_scale.py, render_edge.py,
-render_noisy.py, render_path.py, render_ingest.py; each reads
-bench/results/<ARG>.json):
+render_noisy.py, render_path.py, render_ingest.py, render_preemption_vllm.py (Summary
+row only); each reads bench/results/<ARG>.json):
 
 - `preemption-targets STEM`, `preemption-isolation STEM light,tier`
 - `chaos-scenarios RECORDED [REPEATED ...]`, `chaos-cluster STEM`, `chaos-partition STEM`
@@ -55,6 +55,7 @@ from bench import (  # noqa: E402
     render_noisy,
     render_path,
     render_preemption,
+    render_preemption_vllm,
     render_scale,
     render_scheduler,
     render_vllm,
@@ -74,7 +75,7 @@ SUMMARY_ROWS: dict[str, Callable[[Results], list[str]]] = {
     **render_capacity.SUMMARY_ROWS, **render_vllm.SUMMARY_ROWS, **render_fidelity.SUMMARY_ROWS,
     **render_memory.SUMMARY_ROWS, **render_scheduler.SUMMARY_ROWS, **render_scale.SUMMARY_ROWS,
     **render_edge.SUMMARY_ROWS, **render_noisy.SUMMARY_ROWS, **render_path.SUMMARY_ROWS,
-    **render_ingest.SUMMARY_ROWS}
+    **render_ingest.SUMMARY_ROWS, **render_preemption_vllm.SUMMARY_ROWS}
 SUMMARY_HEADER = ("| claim | measured | target | file |", "|---|---|---|---|")
 
 
