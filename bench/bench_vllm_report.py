@@ -216,8 +216,8 @@ from submit, queueing included, on both sides. Ratios and differences are paired
 tail is a p99 only over >= 200 pooled samples, else "max=". The CPU layout line says
 whether vLLM's processes had a core to themselves (`--engine-cpus`, the default: as the
 model has a GPU to itself on a GPU host) or shared every core with the fleet's
-processes, which then take their CPU from the model's. The simulator's steps are sleeps on this
-process's event loop, which in `sim-fleet` also runs the dispatcher, worker and client:
+processes, which then take their CPU from the model's. The simulator's steps are
+sleeps on this process's event loop, which in `sim-fleet` also runs the dispatcher, worker and client:
 their CPU work lengthens every simulated step (the real engine steps in a process of its
 own), so `sim-fleet` reads low when this process is short of CPU; `sim-direct` ÷
 `direct` is the fidelity figure."""

@@ -23,7 +23,7 @@ from bench.bench_vllm_report import (
     variant_table,
     variants_in,
 )
-from bench.harness import RunRecord, verdict
+from bench.harness import RunRecord, collect, verdict
 from bench.render_common import (
     Results,
     fmt_sum,
@@ -70,9 +70,9 @@ def summary_throughput(res: Results) -> list[str]:
 
 
 def summary_shared(res: Results) -> list[str]:
-    records, setup = _run(res, SHARED_STEM, ["direct", "fleet"])
+    records, _ = _run(res, SHARED_STEM, ["direct", "fleet"])
     thr = throughput_ratios(records)
-    direct = [r.metrics["loaded"]["tok_s"] for r in records if r.variant == "direct"]
+    direct = collect(records, "direct", "loaded.tok_s")
     return ["§3 the same, but every process shares both cores (a CPU-only host: the "
             "fleet's processes take their CPU from the model's)",
             f"{fmt_ratio(thr)} over {pairs_txt(len(thr), num_reps(records))}; direct's "
