@@ -51,7 +51,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.bench_vllm_report import HOW_TO_READ, VARIANTS, report  # noqa: E402
-from bench.cpu_layout import describe, isolate_engine, omp_bind, parse_engine_cpus  # noqa: E402
+from bench.cpu_layout import (  # noqa: E402
+    add_engine_cpus_arg,
+    describe,
+    engine_cpus_of,
+    isolate_engine,
+    omp_bind,
+)
 from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "vllm.md"
@@ -400,10 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--direct-bound", type=int, default=None,
                    help="most requests direct keeps in the engine (default: max_num_seqs "
                         "+ prefetch_seqs, the worker's bound; 0: all at once)")
-    p.add_argument("--engine-cpus", default="last",
-                   help="cores for vLLM's processes alone, everything else on the rest "
-                        "(bench/cpu_layout.py): 'last' (default: the last core), a list "
-                        "such as 1 or 2-3, or 'none' to share every core")
+    add_engine_cpus_arg(p)
     p.add_argument("--timeout-s", type=float, default=1800,
                    help="give up (and stop everything) after this long")
     p.add_argument("--output", type=Path, default=RESULTS,
@@ -413,10 +416,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"prompt + output tokens must fit max_model_len {MAX_MODEL_LEN}")
     if args.direct_bound is None:
         args.direct_bound = MAX_NUM_SEQS + args.prefetch_seqs
-    try:
-        args.engine_cpu_set = parse_engine_cpus(args.engine_cpus, os.cpu_count() or 1)
-    except ValueError as exc:
-        p.error(str(exc))
+    args.engine_cpu_set = engine_cpus_of(p, args)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")

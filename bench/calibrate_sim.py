@@ -38,7 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.cpu_layout import describe, isolate_engine, omp_bind, parse_engine_cpus  # noqa: E402
+from bench.cpu_layout import (  # noqa: E402
+    add_engine_cpus_arg,
+    describe,
+    engine_cpus_of,
+    isolate_engine,
+    omp_bind,
+)
 
 DEFAULT_OUT = ROOT / "gpu_worker" / "sim" / "step_models" / "vllm_cpu_tiny.json"
 MAX_NUM_SEQS = 32
@@ -256,14 +262,9 @@ async def calibrate(command: str, engine_cpus: frozenset[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--engine-cpus", default="last",
-                        help="as bench/bench_vllm.py's: cores for vLLM alone ('last', a "
-                             "list such as 1, or 'none' to share every core)")
+    add_engine_cpus_arg(parser)
     args = parser.parse_args()
-    try:
-        engine_cpus = parse_engine_cpus(args.engine_cpus, os.cpu_count() or 1)
-    except ValueError as exc:
-        parser.error(str(exc))
+    engine_cpus = engine_cpus_of(parser, args)
     command = "python bench/calibrate_sim.py" + (
         f" --out {args.out}" if args.out != DEFAULT_OUT else ""
     ) + (f" --engine-cpus {args.engine_cpus}" if args.engine_cpus != "last" else "")

@@ -17,6 +17,7 @@ Pure parsing here; the pinning is Linux's `sched_setaffinity` per thread.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 SHARED = "none"  # --engine-cpus value: leave every process on every core
@@ -50,6 +51,23 @@ def parse_engine_cpus(spec: str, num_cpus: int) -> frozenset[int]:
     if len(cpus) >= num_cpus:
         raise ValueError(f"engine cpus {spec!r}: leaves no core for the serving stack")
     return frozenset(cpus)
+
+
+def add_engine_cpus_arg(parser: argparse.ArgumentParser) -> None:
+    """The `--engine-cpus` option every bench that starts vLLM takes."""
+    parser.add_argument("--engine-cpus", default="last",
+                        help="cores for vLLM's engine processes alone, every other process "
+                             "on the rest (bench/cpu_layout.py): 'last' (default: the last "
+                             "core), a list such as 1 or 2-3, or 'none' to share every core")
+
+
+def engine_cpus_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> frozenset[int]:
+    """`args.engine_cpus` parsed for this machine; a layout that cannot work is a usage
+    error (`parser.error` exits)."""
+    try:
+        return parse_engine_cpus(args.engine_cpus, os.cpu_count() or 1)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def omp_bind(engine_cpus: frozenset[int]) -> str:

@@ -62,7 +62,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import quantile  # noqa: E402
-from bench.cpu_layout import describe, isolate_engine, omp_bind, parse_engine_cpus  # noqa: E402
+from bench.cpu_layout import (  # noqa: E402
+    add_engine_cpus_arg,
+    describe,
+    engine_cpus_of,
+    isolate_engine,
+    omp_bind,
+)
 from bench.harness import (  # noqa: E402
     RunMeta,
     collect,
@@ -393,15 +399,9 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--output", help=f"results markdown (JSON beside it); default {RESULTS}")
     ap.add_argument("--log-dir", help="the processes' logs; default a fresh temp dir")
-    ap.add_argument("--engine-cpus", default="last",
-                    help="cores for the worker's vLLM engine processes alone, every other "
-                         "process on the rest (bench/cpu_layout.py): 'last' (default), a "
-                         "list such as 1, or 'none' to share every core")
+    add_engine_cpus_arg(ap)
     args = ap.parse_args()
-    try:
-        args.engine_cpu_set = parse_engine_cpus(args.engine_cpus, os.cpu_count() or 1)
-    except ValueError as exc:
-        ap.error(str(exc))
+    args.engine_cpu_set = engine_cpus_of(ap, args)
     # SIGTERM as Ctrl-C: the finally blocks stop every process this bench started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(asyncio.run(run(args)))

@@ -12,22 +12,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.harness import RunRecord, Summary, collect, p99, ratio, summarize
+from bench.common import quantile
+from bench.harness import RunRecord, Summary, collect, ratio, summarize, tail
 
 VARIANTS = ("drr", "drr+preempt")
 TARGET_RATIO = 1.5  # issue 10: B's TTFT p99 during ÷ alone
 
 
-def tail(xs: Sequence[float]) -> float | None:
-    """The p99 from >= 200 samples, else the max; None for none."""
-    t = p99(xs)
-    return t if t is not None else (max(xs) if xs else None)
+def tail_ms(xs: Sequence[float]) -> float:
+    """The p99 from >= 200 samples, else the max; NaN for none (`harness.tail`)."""
+    return tail(xs)[1]
 
 
 @dataclass(frozen=True)
 class VariantFigures:
     alone: list[float]  # pooled over the alone repetitions
-    alone_tail: float | None
+    alone_tail: float  # NaN without alone samples
     during: list[list[float]]  # per repetition
     p50s: Summary
     tails: Summary
@@ -36,15 +36,13 @@ class VariantFigures:
 
 
 def variant_figures(records: Sequence[RunRecord], variant: str) -> VariantFigures:
-    from bench.common import quantile
-
     alone = [x for xs in collect(records, variant, "alone") if xs for x in xs]
     during = [xs for xs in collect(records, variant, "during") if xs]
-    a_tail = tail(alone)
+    a_tail = tail_ms(alone)
     return VariantFigures(
         alone=alone, alone_tail=a_tail, during=during,
         p50s=summarize(quantile(xs, 0.5) for xs in during),
-        tails=summarize(tail(xs) for xs in during),
-        ratios=summarize(ratio(tail(xs), a_tail) for xs in during),
+        tails=summarize(tail_ms(xs) for xs in during),
+        ratios=summarize(ratio(tail_ms(xs), a_tail) for xs in during),
         preemptions_per_s=summarize(collect(records, variant, "preemptions_per_s")),
     )

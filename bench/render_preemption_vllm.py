@@ -5,20 +5,16 @@ through the figures its results markdown prints (bench/preemption_vllm_figures.p
 from __future__ import annotations
 
 from bench.harness import RunRecord, verdict
-from bench.preemption_vllm_figures import TARGET_RATIO, variant_figures
-from bench.render_common import RenderError, Results, row_source
+from bench.preemption_vllm_figures import TARGET_RATIO, VARIANTS, variant_figures
+from bench.render_common import Results, measured_records, row_source
 
 STEM = "preemption_vllm"  # --engine-cpus last: vLLM's processes on a core of their own
 SHARED_STEM = "preemption_vllm_shared"  # --engine-cpus none
 
 
 def _records(res: Results, stem: str) -> list[RunRecord]:
-    records = [RunRecord(**r) for r in res.load(stem).get("data", [])]
-    ok = {r.variant for r in records if r.error is None}
-    missing = [v for v in ("drr", "drr+preempt") if v not in ok]
-    if missing:
-        raise RenderError(f"{stem}.json has no successful run of {missing}")
-    return records
+    # This bench's "data" is the record list itself, not {"records": [...]}.
+    return measured_records({"records": res.load(stem).get("data", [])}, stem, VARIANTS)
 
 
 def summary_vllm(res: Results) -> list[str]:
@@ -31,7 +27,7 @@ def summary_vllm(res: Results) -> list[str]:
     shared = variant_figures(_records(res, SHARED_STEM), "drr+preempt")
     # The ratio alone would flatter the shared layout: its "alone" tail is the stalls'.
     measured += (f"; every process on both cores: p99 {shared.tails.fmt(0)} ms during, "
-                 f"{shared.alone_tail or float('nan'):,.0f} ms alone ({shared.ratios.fmt(2, '×')})")
+                 f"{shared.alone_tail:,.0f} ms alone ({shared.ratios.fmt(2, '×')})")
     sources = f"{row_source(res, STEM)}, {row_source(res, SHARED_STEM, 'shared cores')}"
     return ["§6 vLLM-CPU (tiny model, 16 slots, vLLM's processes on a core of their own): "
             "B's TTFT p99 during A's burst ÷ alone, drr+preemption",

@@ -90,14 +90,13 @@ def summary_ttft(res: Results) -> list[str]:
 
 def summary_sim(res: Results) -> list[str]:
     records, _ = _run(res, STEM, ["direct", "sim-direct"])
-    parts = [f"direct: tok/s {fmt_ratio(throughput_ratios(records, 'sim-direct', 'direct'))}, "
-             f"TTFT p50 {fmt_ratio(ttft_p50_ratios(records, 'sim-direct', 'direct'))}"]
+    direct = (throughput_ratios(records, "sim-direct", "direct"),
+              ttft_p50_ratios(records, "sim-direct", "direct"))
+    parts = [f"direct: tok/s {fmt_ratio(direct[0])}, TTFT p50 {fmt_ratio(direct[1])}"]
     if {"fleet", "sim-fleet"} <= set(variants_in(records)):
         parts.append(f"fleet: tok/s {fmt_ratio(throughput_ratios(records, 'sim-fleet', 'fleet'))}"
                      f", TTFT p50 {fmt_ratio(ttft_p50_ratios(records, 'sim-fleet', 'fleet'))}")
-    medians = [median(throughput_ratios(records, "sim-direct", "direct")),
-               median(ttft_p50_ratios(records, "sim-direct", "direct"))]
-    ok = all(abs(m - 1) <= SIM_TOLERANCE for m in medians)
+    ok = all(abs(median(r) - 1) <= SIM_TOLERANCE for r in direct)
     return ["§3 simulator (`vllm_cpu_tiny`) ÷ vLLM-CPU, same workload, loaded",
             "; ".join(parts),
             f"direct: tok/s and TTFT p50 within {SIM_TOLERANCE:.0%} (issue 12) — "

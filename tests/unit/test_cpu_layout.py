@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+
 import pytest
 
-from bench.cpu_layout import describe, omp_bind, parse_engine_cpus
+from bench.cpu_layout import (
+    add_engine_cpus_arg,
+    describe,
+    engine_cpus_of,
+    omp_bind,
+    parse_engine_cpus,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 
@@ -50,3 +59,17 @@ def test_the_layout_is_described_for_the_results_file():
     assert describe(frozenset({1}), 2) == (
         "engine isolated: vLLM's processes on core(s) [1], everything else on [0]")
     assert describe(frozenset(), 2).startswith("shared")
+
+
+def test_the_benches_option_parses_or_is_a_usage_error():
+    parser = argparse.ArgumentParser()
+    add_engine_cpus_arg(parser)
+    assert engine_cpus_of(parser, parser.parse_args([])) == parse_engine_cpus("last", _cpus())
+    assert engine_cpus_of(parser, parser.parse_args(["--engine-cpus", "none"])) == frozenset()
+    with pytest.raises(SystemExit) as exc:
+        engine_cpus_of(parser, parser.parse_args(["--engine-cpus", "one"]))
+    assert exc.value.code == 2
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1

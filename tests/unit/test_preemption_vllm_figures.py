@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.harness import RunRecord
-from bench.preemption_vllm_figures import tail, variant_figures
+from bench.preemption_vllm_figures import tail_ms, variant_figures
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 
@@ -22,10 +22,10 @@ def rec(variant: str, rep: int, during: list[float], alone: list[float] | None =
 
 
 def test_the_tail_is_a_p99_only_from_200_samples():
-    assert tail([float(x) for x in range(1, 200)]) == 199.0  # 199 samples: the max
+    assert tail_ms([float(x) for x in range(1, 200)]) == 199.0  # 199 samples: the max
     xs = [float(x) for x in range(1, 201)]
-    assert tail(xs) == pytest.approx(198.01)  # interpolated p99
-    assert tail([]) is None
+    assert tail_ms(xs) == pytest.approx(198.01)  # interpolated p99
+    assert math.isnan(tail_ms([]))
 
 
 def test_each_repetitions_tail_is_divided_by_the_pooled_alone_tail():
@@ -44,4 +44,4 @@ def test_each_repetitions_tail_is_divided_by_the_pooled_alone_tail():
 
 def test_no_alone_samples_make_the_ratio_unknown_not_zero():
     f = variant_figures([rec("drr", 0, [5.0] * 10)], "drr")
-    assert f.alone_tail is None and f.ratios.n == 0 and math.isnan(f.ratios.median)
+    assert math.isnan(f.alone_tail) and f.ratios.n == 0 and math.isnan(f.ratios.median)
