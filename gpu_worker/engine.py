@@ -65,10 +65,12 @@ class Engine(Protocol):
         """Stream deltas for one request. Raises EngineError (e.g. PromptTooLong).
 
         The worker calls it the moment it accepts the request and iterates it from the
-        request's task: an engine may admit the request right here (the simulator
-        does, so an admission never waits for the worker's event loop), or lazily on
-        first iteration (vLLM's adapter); either way the stream's ``aclose()`` frees
-        whatever it took.
+        request's task. The request must be on its way into the engine when this
+        returns, not on first iteration: the simulator admits it right here, vLLM's
+        adapter starts its submission as a task. Either way an ``abort()`` called
+        after this returns reaches the engine after the submission does (a
+        preemption's replacement must be queued before its victim frees the slot),
+        and the stream's ``aclose()`` frees whatever the request took, iterated or not.
 
         Honours ``item.request.resume`` (DESIGN.md 5b): the run continues after
         ``resume.generated_token_ids`` (prefilled again after the prompt, under the

@@ -364,26 +364,28 @@ class Worker(RequestServing):
             if order.replacement is not None:
                 await self._refuse_stale(order.replacement)
             return
+        if order.replacement is not None:
+            # The request the slot is freed for goes into the engine first, the victim's
+            # abort after it. An engine fills a freed slot at its next step boundary
+            # from its waiting queue (ordered by engine priority, the replacement
+            # first); were the abort first, a step could start between the two and
+            # give the slot to work prefetched earlier, and the replacement would wait
+            # for some other request to end. Taken even if the victim ended first:
+            # the dispatcher counts it ours, and that end freed a slot too.
+            await self._accept(order.replacement)
         r = self._reqs.get(order.request_id)
         if r is not None and not r.stopping:  # else ending anyway: its Finished says so
             r.preempted = True
             r.signal()
-            # Free the engine slot here, before the request's own task wakes up: an
-            # engine admits waiting work only at a step boundary, and a slot released
-            # a few loop turns late (behind a step's worth of token flushes) misses the
-            # next boundary and costs the replacement a whole extra step. The flag is
-            # set first, so the task ignores the stream's "abort" end and hands back
-            # the tokens its client has (`_hand_back_preempted`).
+            # Free the engine slot here, not from the request's own task: a slot
+            # released a few loop turns late (behind a step's worth of token flushes)
+            # misses the next step boundary and costs the replacement a whole step.
+            # The flag is set first, so the task ignores the stream's "abort" end and
+            # hands back the tokens its client has (`_hand_back_preempted`).
             try:
                 await self.engine.abort(order.request_id)
             except Exception as exc:  # noqa: BLE001 - its task aborts again on the way out
                 self.log.warning("abort_failed", request_id=order.request_id, error=repr(exc))
-        if order.replacement is not None:
-            # The request the slot is freed for: into the engine now, so its waiting
-            # queue (ordered by engine priority) has it before the next step fills the
-            # slot with work prefetched earlier. Taken even if the victim ended first:
-            # the dispatcher counts it ours, and that end freed a slot too.
-            await self._accept(order.replacement)
 
     async def _heartbeat(self, timeout_s: float | None = None) -> None:
         """Report load and work, as a request: the dispatcher's acknowledgement is the

@@ -6,6 +6,10 @@ What the adapter adds on top of vLLM:
   text and token ids; the last one has `finish_reason` and the accounting fields.
 * `WorkItem.engine_priority` -> vLLM `priority` (lower runs first); the engine is
   started with `scheduling_policy="priority"` so the waiting queue honours it.
+* Eager submission: `generate()` hands the request to vLLM (`AsyncLLM.add_request`)
+  in a task of its own before it returns, and `abort()` waits for submissions begun
+  before it, so a preemption's replacement is in vLLM's waiting queue before the
+  victim's slot frees (`gpu_worker.vllm_request.VllmStream`).
 * Per-tenant `cache_salt` (on by default): ``item.cache_salt or tenant`` goes into the
   prompt dict, so a prefix-cache hit never crosses tenants (one tenant cannot probe
   another's prompts through TTFT). Turn it off for a single-tenant pool.
@@ -35,17 +39,8 @@ from typing import Any
 from fairlane.protocol import EngineLoad, ErrorCode, WorkItem
 from gpu_worker.chat_template import render_chat
 from gpu_worker.engine import EngineDead, EngineError, GenerationDelta, PromptTooLong
+from gpu_worker.vllm_request import Accounting, VllmStream
 from gpu_worker.vllm_stats import VllmStatsTap
-
-
-@dataclass(slots=True)
-class VllmDelta(GenerationDelta):
-    """A `GenerationDelta` plus what only the engine side can measure.
-
-    `ttft_ms` is from submission to vLLM to the first generated token (0 until then).
-    """
-
-    ttft_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -67,57 +62,9 @@ class VllmEngineConfig:
     seed: int = 0
 
 
-class _Accounting:
-    """Per-request usage measured in the adapter.
-
-    KV-token-seconds integrates the tokens this sequence holds in the KV cache
-    (prompt + generated so far) over wall time, piecewise constant between outputs.
-    It starts at the first output: before that the request waits (holds no KV) or is
-    being prefilled, and the prefill step itself is not counted (a small, known
-    under-count). Block rounding is ignored: this is the tenant's bill, not the
-    allocator's view.
-    """
-
-    __slots__ = ("submitted", "last_t", "first_token_t", "num_prompt", "num_cached",
-                 "num_output", "kv_token_seconds", "num_resumed", "abort_requested")
-
-    def __init__(self, num_resumed: int | None = None) -> None:
-        self.submitted = time.monotonic()
-        self.last_t = 0.0
-        self.first_token_t = 0.0
-        self.num_prompt = 0  # the original prompt's, also for a continuation
-        self.num_cached = 0  # of what vLLM prefilled (a continuation's output included)
-        self.num_output = num_resumed or 0  # the whole request's output
-        self.kv_token_seconds = 0.0
-        self.num_resumed = num_resumed  # None: not a continuation
-        self.abort_requested = False
-
-    def delta(self, **kw: Any) -> VllmDelta:
-        # A continuation re-prefilled prompt + earlier output (known done at its first
-        # output), less what vLLM's prefix cache held.
-        resumed, recomputed = self.num_resumed, 0
-        if resumed is not None and self.last_t:
-            recomputed = max(0, self.num_prompt + resumed - self.num_cached)
-        return VllmDelta(num_prompt_tokens=self.num_prompt, num_output_tokens=self.num_output,
-                         num_cached_prompt_tokens=min(self.num_cached, self.num_prompt),
-                         kv_token_seconds=self.kv_token_seconds, ttft_ms=self.ttft_ms,
-                         num_recomputed_tokens=recomputed, **kw)
-
-    def on_output(self, num_new_tokens: int, now: float) -> None:
-        if self.last_t:
-            self.kv_token_seconds += (self.num_prompt + self.num_output) * (now - self.last_t)
-        self.last_t = now
-        if num_new_tokens and not self.first_token_t:
-            self.first_token_t = now
-        self.num_output += num_new_tokens
-
-    @property
-    def ttft_ms(self) -> float:
-        return (self.first_token_t - self.submitted) * 1000.0 if self.first_token_t else 0.0
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.num_prompt + self.num_output if self.last_t else 0
+# How long an abort waits for submissions begun before it (see `VllmEngine.abort`):
+# they take a tokenization, milliseconds; bounded so no abort hangs on a stuck one.
+SUBMISSION_WAIT_S = 1.0
 
 
 class VllmEngine:
@@ -126,7 +73,7 @@ class VllmEngine:
         self._llm: Any = None
         self._start_lock = asyncio.Lock()
         self._tap = VllmStatsTap()
-        self._inflight: dict[str, _Accounting] = {}
+        self._inflight: dict[str, Accounting] = {}
         self._tokenizer: Any = None
         self._max_model_len = config.max_model_len or 0
         self._kv_tokens_total = 0
@@ -254,21 +201,30 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort by our (external) id; vLLM maps it to its suffixed internal ids and
-        the request's generate() stream ends with finish_reason "abort"."""
+        the request's stream ends with finish_reason "abort".
+
+        An abort never overtakes a submission begun before it: the worker hands a
+        preemption's replacement to the engine and then aborts the victim, and vLLM
+        must see them in that order, or its next step gives the freed slot to work
+        that was waiting already (`Worker._on_preempt`).
+        """
         acc = self._inflight.get(request_id)
-        if self._llm is not None and acc is not None:
-            # Also remembered: a request not yet submitted to vLLM (a continuation
-            # being tokenized) is unknown to vLLM's abort; generate() honours it.
+        if acc is not None:
+            # A request whose submission has not reached vLLM yet (a continuation
+            # being tokenized) is unknown to vLLM's abort: its submission or its
+            # stream honours this flag.
             acc.abort_requested = True
+        earlier = [a.submission for a in self._inflight.values()
+                   if a is not acc and a.submission is not None and not a.submission.done()]
+        if earlier:
+            await asyncio.wait(earlier, timeout=SUBMISSION_WAIT_S)
+        if self._llm is not None and acc is not None:
             await self._llm.abort(request_id)
 
     def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
-        return self._generate(item)
-
-    async def _generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError
-
+        """Check `item`, then submit it to vLLM at once (a task, so before the request's
+        own task first runs) and return its stream. A request the adapter can refuse
+        on its own (prompt too long, bad parameters) raises here."""
         llm = self._llm
         if llm is None:
             raise EngineError("engine not started")
@@ -281,36 +237,56 @@ class VllmEngine:
         request_id = req.request_id
         if request_id in self._inflight:
             raise EngineError(f"request {request_id} is already running", ErrorCode.INVALID_REQUEST)
-
-        acc = _Accounting(None if resumed is None else len(resumed))
+        acc = Accounting(None if resumed is None else len(resumed))
         self._inflight[request_id] = acc
-        stream = None
+        acc.submission = asyncio.get_running_loop().create_task(
+            self._submit(llm, item, acc, prompt, tokenization_kwargs, params, resumed),
+            name=f"vllm-submit-{request_id}",
+        )
+        return VllmStream(self._outputs(llm, request_id, acc),
+                          lambda: self._release(llm, request_id, acc, finished=False))
+
+    async def _submit(self, llm: Any, item: WorkItem, acc: Accounting, prompt: dict[str, Any],
+                      tokenization_kwargs: dict[str, Any] | None, params: Any,
+                      resumed: list[int] | None) -> Any:
+        """Hand the request to vLLM: its output collector, or None when it ended without
+        vLLM (`acc.early_finish` says how)."""
+        if resumed is not None:
+            prompt, acc.num_prompt = await self._resume_prompt(prompt, tokenization_kwargs,
+                                                               resumed)
+            tokenization_kwargs = None
+            total = acc.num_prompt + len(resumed)
+            # max_tokens is the whole request's budget; the model's length caps the
+            # undisturbed run too (vLLM ends it with "length" there).
+            if params is None or (self._max_model_len and total >= self._max_model_len):
+                acc.early_finish = "length"
+                return None
+        if acc.abort_requested:  # aborted before vLLM knew the request
+            acc.early_finish = "abort"
+            return None
+        return await llm.add_request(item.request.request_id, prompt, params,
+                                     priority=item.engine_priority,
+                                     tokenization_kwargs=tokenization_kwargs)
+
+    async def _outputs(self, llm: Any, request_id: str,
+                       acc: Accounting) -> AsyncIterator[GenerationDelta]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        assert acc.submission is not None
         finished = False
         try:
-            if resumed is not None:
-                prompt, acc.num_prompt = await self._resume_prompt(
-                    prompt, tokenization_kwargs, resumed
-                )
-                tokenization_kwargs = None
-                total = acc.num_prompt + len(resumed)
-                # max_tokens is the whole request's budget; the model's length caps
-                # the undisturbed run too (vLLM ends it with "length" there).
-                if params is None or (self._max_model_len and total >= self._max_model_len):
-                    finished = True
-                    yield acc.delta(finish_reason="length")
-                    return
-            if acc.abort_requested:  # aborted before vLLM knew the request
+            # Shielded: a consumer cancelled here must not cancel the submission
+            # half-way; `_release` waits for it and takes the request back out.
+            queue = await asyncio.shield(acc.submission)
+            if queue is None:
                 finished = True
-                yield acc.delta(finish_reason="abort")
+                yield acc.delta(finish_reason=acc.early_finish)
                 return
-            stream = llm.generate(
-                prompt,
-                params,
-                request_id,
-                priority=item.engine_priority,
-                tokenization_kwargs=tokenization_kwargs,
-            )
-            async for out in stream:
+            resumed = acc.num_resumed
+            while True:
+                # As AsyncLLM.generate: drain without a task switch when output is ready.
+                out = queue.get_nowait() or await queue.get()
                 if acc.abort_requested and not out.finished:  # reached vLLM after the abort
                     acc.abort_requested = False
                     await llm.abort(request_id)
@@ -322,7 +298,7 @@ class VllmEngine:
                 comp = out.outputs[0] if out.outputs else None
                 token_ids = list(comp.token_ids) if comp is not None else []
                 if resumed is not None and not acc.last_t:  # a continuation's prefill
-                    self._tap.add_recomputed(acc.num_prompt + len(resumed) - acc.num_cached)
+                    self._tap.add_recomputed(acc.num_prompt + resumed - acc.num_cached)
                 acc.on_output(len(token_ids), now)
                 finish = comp.finish_reason if comp is not None else None
                 if finish is None and out.finished:
@@ -333,7 +309,7 @@ class VllmEngine:
                 finished = finish is not None
                 yield acc.delta(text=text, token_ids=token_ids, finish_reason=finish)
                 if finished:
-                    break
+                    return
         except EngineDeadError as exc:
             raise EngineDead(f"vLLM engine died: {exc}") from exc
         except EngineError:
@@ -343,20 +319,28 @@ class VllmEngine:
         except Exception as exc:
             if llm.errored:
                 raise EngineDead(f"vLLM engine died: {exc}") from exc
-            cause = exc.__cause__  # EngineGenerateError wraps what went wrong
-            if isinstance(cause, VLLMClientError | ValueError):
-                raise self._map_validation_error(cause) from exc
             raise EngineError(f"vLLM failed the request: {exc!r}") from exc
         finally:
-            if stream is not None:
-                if not finished and not llm.errored:
-                    # Our consumer went away (cancelled / aclose()): free the slot now
-                    # rather than when the inner generator is garbage-collected.
-                    try:
-                        await llm.abort(request_id)
-                    except Exception:  # noqa: BLE001 - best effort on the way out
-                        pass
-                await stream.aclose()
+            await self._release(llm, request_id, acc, finished=finished)
+
+    async def _release(self, llm: Any, request_id: str, acc: Accounting, *,
+                       finished: bool) -> None:
+        """The request's stream is done or its consumer went away: take it out of vLLM
+        (now, not when vLLM's collector is garbage-collected) and forget it."""
+        sub = acc.submission
+        try:
+            if sub is not None:
+                if not sub.done():
+                    await asyncio.wait([sub])
+                queue = None if sub.cancelled() or sub.exception() else sub.result()
+                if queue is not None:
+                    if not finished and not llm.errored:
+                        try:
+                            await llm.abort(request_id)
+                        except Exception:  # noqa: BLE001 - best effort on the way out
+                            pass
+                    queue.close()
+        finally:
             # Only now: vLLM aborts by external id, so a continuation of this request
             # must not be submitted (it is refused as "already running") before the
             # abort above is through, or that abort would hit it too.

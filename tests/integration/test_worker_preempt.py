@@ -5,7 +5,10 @@ first-token time is whether the victim's slot is free, and the replacement in th
 engine, before the step in progress ends. The worker therefore frees the slot and admits
 the replacement inside its `Preempt` handler, not a few event-loop turns later in the
 requests' own tasks (which, behind a full batch's token flushes, missed the boundary
-now and then and cost the newcomer a whole extra step).
+now and then and cost the newcomer a whole extra step). And the replacement goes into the
+engine before the victim's abort: an engine whose submissions are asynchronous (vLLM's
+adapter) could otherwise start a step between the two and give the freed slot to work
+it already had waiting.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 async def test_preempt_frees_the_slot_and_admits_the_replacement_in_its_handler(
-        nats_server, nc, uid, dispatcher):
+        nats_server, nc, uid, dispatcher, monkeypatch):
     subjects = dispatcher.subjects
     # One slot, no prefetch, steps of ~160 ms (time scale 20): the handler's effect is
     # checked before the step in progress can end.
@@ -40,9 +43,23 @@ async def test_preempt_frees_the_slot_and_admits_the_replacement_in_its_handler(
 
         order = Preempt(request_id="victim", worker_id=f"w{uid}",
                         replacement=work_item(subjects, "newcomer", out=3))
+        calls: list[tuple[str, str]] = []
+        real_generate, real_abort = engine.generate, engine.abort
+
+        def generate(item):
+            calls.append(("generate", item.request.request_id))
+            return real_generate(item)
+
+        async def abort(request_id):
+            calls.append(("abort", request_id))
+            await real_abort(request_id)
+
+        monkeypatch.setattr(engine, "generate", generate)
+        monkeypatch.setattr(engine, "abort", abort)
         steps_before = engine.num_steps
         await worker._on_preempt(Msg(_client=nc, subject=subjects.preempt(POOL),
                                      data=encode(order)))
+        assert calls == [("generate", "newcomer"), ("abort", "victim")]
         # Synchronously: the victim left the batch, the newcomer waits for the boundary.
         assert victim_seq.state is SeqState.FINISHED
         assert engine.load().num_running == 0 and engine.load().num_waiting == 1

@@ -300,3 +300,61 @@ async def test_errors_are_explicit_and_the_engine_survives(vllm_engine, make_ite
     deltas = await collect(vllm_engine, make_item(prompt="hello", max_tokens=2))
     assert deltas[-1].finish_reason == "length"
     await wait_idle(vllm_engine)
+
+
+# --- eager submission (what a preemption's replacement relies on) ----------------------
+
+
+async def test_generate_submits_before_the_stream_is_iterated(vllm_engine, make_item):
+    stream = vllm_engine.generate(make_item(prompt_token_ids=[4, 5, 6], max_tokens=200))
+    deadline = time.monotonic() + 30
+    while vllm_engine._tap.num_running < 1:  # vLLM's scheduler runs it, nobody iterates
+        assert time.monotonic() < deadline, vllm_engine.load()
+        await asyncio.sleep(0.01)
+    await stream.aclose()  # never iterated: it must still leave vLLM
+    assert vllm_engine._llm.get_num_unfinished_requests() == 0
+    assert not vllm_engine._inflight
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    # A submission vLLM refuses, closed unread: forgotten, its error retrieved.
+    await vllm_engine.generate(make_item(prompt_token_ids=[1, 100_000])).aclose()
+    assert not vllm_engine._inflight
+    await wait_idle(vllm_engine)
+
+
+async def test_a_replacement_submitted_before_the_abort_takes_the_freed_slot(
+        vllm_engine, make_item):
+    # The worker's order on a Preempt (`Worker._on_preempt`): generate(replacement), then
+    # abort(victim), with no await in between. Work already waiting in vLLM (a worker's
+    # prefetch) must not get the slot: the replacement is in vLLM's queue first.
+    blockers = [make_item(prompt_token_ids=[9, 8, 7], max_tokens=250, engine_priority=10)
+                for _ in range(MAX_NUM_SEQS)]
+    streams = [vllm_engine.generate(it) for it in blockers]
+    await asyncio.gather(*(s.__anext__() for s in streams))  # every slot busy
+    first_tokens: list[str] = []
+
+    async def run(stream, label):
+        async for d in stream:
+            if d.token_ids and label not in first_tokens:
+                first_tokens.append(label)
+
+    prefetched = make_item(prompt_token_ids=[1, 2], max_tokens=5, engine_priority=10)
+    waiting = asyncio.create_task(run(vllm_engine.generate(prefetched), "prefetched"))
+    deadline = time.monotonic() + 30
+    while vllm_engine._tap.num_waiting < 1:  # in vLLM's waiting queue
+        assert time.monotonic() < deadline, vllm_engine.load()
+        await asyncio.sleep(0.01)
+    replacement = make_item(prompt_token_ids=[3, 4], max_tokens=3, engine_priority=0)
+    rep_stream = vllm_engine.generate(replacement)
+    await vllm_engine.abort(blockers[0].request.request_id)
+    rest = [d async for d in streams[0]]
+    assert rest[-1].finish_reason == "abort"
+    await asyncio.wait_for(run(rep_stream, "replacement"), 30)
+    for it in blockers[1:]:
+        await vllm_engine.abort(it.request.request_id)
+    for s in streams[1:]:
+        async for _ in s:
+            pass
+    await asyncio.wait_for(waiting, 30)
+    assert first_tokens == ["replacement", "prefetched"]
+    await wait_idle(vllm_engine)
