@@ -214,12 +214,21 @@ class VllmEngine:
             # being tokenized) is unknown to vLLM's abort: its submission or its
             # stream honours this flag.
             acc.abort_requested = True
-        earlier = [a.submission for a in self._inflight.values()
-                   if a is not acc and a.submission is not None and not a.submission.done()]
-        if earlier:
-            await asyncio.wait(earlier, timeout=SUBMISSION_WAIT_S)
+        await self._after_other_submissions(acc)
         if self._llm is not None and acc is not None:
             await self._llm.abort(request_id)
+
+    async def _after_other_submissions(self, acc: Accounting | None) -> None:
+        """Wait (bounded) until the submissions of requests other than `acc`'s under
+        way now have reached vLLM. Every abort goes through here, the one a stream
+        sends on its way out included: vLLM's engine core frees an aborted slot at
+        once, mid-step, but takes a new request only between steps, so an abort
+        that overtook a replacement's submission gave the slot to work already
+        waiting (measured: bench/preemption_vllm.py, B's slow probes)."""
+        others = [a.submission for a in self._inflight.values()
+                  if a is not acc and a.submission is not None and not a.submission.done()]
+        if others:
+            await asyncio.wait(others, timeout=SUBMISSION_WAIT_S)
 
     def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
         """Check `item`, then submit it to vLLM at once (a task, so before the request's
@@ -336,6 +345,7 @@ class VllmEngine:
                 if queue is not None:
                     if not finished and not llm.errored:
                         try:
+                            await self._after_other_submissions(acc)
                             await llm.abort(request_id)
                         except Exception:  # noqa: BLE001 - best effort on the way out
                             pass

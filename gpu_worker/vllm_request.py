@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,7 @@ class VllmStream:
 
     __slots__ = ("_outputs", "_release", "_started")
 
-    def __init__(self, outputs: AsyncIterator[GenerationDelta],
+    def __init__(self, outputs: AsyncGenerator[GenerationDelta, None],
                  release: Callable[[], Awaitable[None]]) -> None:
         self._outputs = outputs  # its own ``finally`` releases the request
         self._release = release  # the same, for a stream closed before its first item
@@ -107,9 +107,7 @@ class VllmStream:
         return await self._outputs.__anext__()
 
     async def aclose(self) -> None:
-        if self._started:
-            await self._outputs.aclose()  # type: ignore[attr-defined]
-        else:
-            self._started = True  # closed: a later __anext__ ends at once
-            await self._outputs.aclose()  # type: ignore[attr-defined]
+        started, self._started = self._started, True
+        await self._outputs.aclose()  # a later __anext__ ends the iteration
+        if not started:
             await self._release()

@@ -322,11 +322,13 @@ async def test_generate_submits_before_the_stream_is_iterated(vllm_engine, make_
     await wait_idle(vllm_engine)
 
 
+@pytest.mark.parametrize("free_by", ["abort", "close"])
 async def test_a_replacement_submitted_before_the_abort_takes_the_freed_slot(
-        vllm_engine, make_item):
+        vllm_engine, make_item, free_by):
     # The worker's order on a Preempt (`Worker._on_preempt`): generate(replacement), then
-    # abort(victim), with no await in between. Work already waiting in vLLM (a worker's
-    # prefetch) must not get the slot: the replacement is in vLLM's queue first.
+    # abort(victim), with no await in between; the victim's own task also closes its
+    # stream, which aborts too. Work already waiting in vLLM (a worker's prefetch) must
+    # not get the slot: the replacement is in vLLM's queue before either abort.
     blockers = [make_item(prompt_token_ids=[9, 8, 7], max_tokens=250, engine_priority=10)
                 for _ in range(MAX_NUM_SEQS)]
     streams = [vllm_engine.generate(it) for it in blockers]
@@ -346,9 +348,14 @@ async def test_a_replacement_submitted_before_the_abort_takes_the_freed_slot(
         await asyncio.sleep(0.01)
     replacement = make_item(prompt_token_ids=[3, 4], max_tokens=3, engine_priority=0)
     rep_stream = vllm_engine.generate(replacement)
-    await vllm_engine.abort(blockers[0].request.request_id)
-    rest = [d async for d in streams[0]]
-    assert rest[-1].finish_reason == "abort"
+    if free_by == "abort":
+        await vllm_engine.abort(blockers[0].request.request_id)
+        rest = [d async for d in streams[0]]
+        assert rest[-1].finish_reason == "abort"
+    else:
+        await streams[0].aclose()
+    # Whichever way the slot was freed, the replacement had reached vLLM first.
+    assert vllm_engine._inflight[replacement.request.request_id].submission.done()
     await asyncio.wait_for(run(rep_stream, "replacement"), 30)
     for it in blockers[1:]:
         await vllm_engine.abort(it.request.request_id)
