@@ -209,26 +209,31 @@ class VllmEngine:
         that was waiting already (`Worker._on_preempt`).
         """
         acc = self._inflight.get(request_id)
-        if acc is not None:
-            # A request whose submission has not reached vLLM yet (a continuation
-            # being tokenized) is unknown to vLLM's abort: its submission or its
-            # stream honours this flag.
-            acc.abort_requested = True
-        await self._after_other_submissions(acc)
         if self._llm is not None and acc is not None:
-            await self._llm.abort(request_id)
+            await self._abort_in_vllm(self._llm, request_id, acc)
 
-    async def _after_other_submissions(self, acc: Accounting | None) -> None:
-        """Wait (bounded) until the submissions of requests other than `acc`'s under
-        way now have reached vLLM. Every abort goes through here, the one a stream
-        sends on its way out included: vLLM's engine core frees an aborted slot at
-        once, mid-step, but takes a new request only between steps, so an abort
-        that overtook a replacement's submission gave the slot to work already
-        waiting (measured: bench/preemption_vllm.py, B's slow probes)."""
+    async def _abort_in_vllm(self, llm: Any, request_id: str, acc: Accounting) -> None:
+        """Every abort the adapter sends goes through here: `abort()`, a stream closed
+        early, an abort that raced its own request's submission.
+
+        It first waits (bounded) for the submissions of other requests under way. vLLM's
+        engine core frees an aborted slot at once, mid-step, but admits a new request
+        only between steps; an abort that overtook a preemption's replacement gave the
+        freed slot to work already waiting (measured: bench/preemption_vllm.py, B's slow
+        probes, vLLM freeing the victim's slot 10-20 ms before the replacement arrived).
+        """
         others = [a.submission for a in self._inflight.values()
                   if a is not acc and a.submission is not None and not a.submission.done()]
         if others:
             await asyncio.wait(others, timeout=SUBMISSION_WAIT_S)
+        if acc.submission is not None and not acc.submission.done():
+            # Its own submission is still under way (a continuation being tokenized, a
+            # prompt in vLLM's input processing): vLLM may not know the request yet
+            # and drop this abort. The submission or the stream honours the flag. Set
+            # only here: a stream seeing it aborts on its own, and while this waited
+            # above that abort would have overtaken those submissions.
+            acc.abort_requested = True
+        await llm.abort(request_id)
 
     def generate(self, item: WorkItem) -> AsyncIterator[GenerationDelta]:
         """Check `item`, then submit it to vLLM at once (a task, so before the request's
@@ -298,7 +303,7 @@ class VllmEngine:
                 out = queue.get_nowait() or await queue.get()
                 if acc.abort_requested and not out.finished:  # reached vLLM after the abort
                     acc.abort_requested = False
-                    await llm.abort(request_id)
+                    await self._abort_in_vllm(llm, request_id, acc)
                 now = time.monotonic()
                 if not acc.num_prompt and out.prompt_token_ids:
                     acc.num_prompt = len(out.prompt_token_ids)
@@ -345,8 +350,7 @@ class VllmEngine:
                 if queue is not None:
                     if not finished and not llm.errored:
                         try:
-                            await self._after_other_submissions(acc)
-                            await llm.abort(request_id)
+                            await self._abort_in_vllm(llm, request_id, acc)
                         except Exception:  # noqa: BLE001 - best effort on the way out
                             pass
                     queue.close()

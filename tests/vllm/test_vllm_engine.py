@@ -324,11 +324,12 @@ async def test_generate_submits_before_the_stream_is_iterated(vllm_engine, make_
 
 @pytest.mark.parametrize("free_by", ["abort", "close"])
 async def test_a_replacement_submitted_before_the_abort_takes_the_freed_slot(
-        vllm_engine, make_item, free_by):
+        vllm_engine, make_item, free_by, monkeypatch):
     # The worker's order on a Preempt (`Worker._on_preempt`): generate(replacement), then
-    # abort(victim), with no await in between; the victim's own task also closes its
-    # stream, which aborts too. Work already waiting in vLLM (a worker's prefetch) must
-    # not get the slot: the replacement is in vLLM's queue before either abort.
+    # abort(victim), with no await in between, while the victim's stream is being read;
+    # its own task then closes that stream, which aborts too. Work already waiting in
+    # vLLM (a worker's prefetch) must not get the slot: every abort of the victim that
+    # vLLM sees comes after the replacement's submission.
     blockers = [make_item(prompt_token_ids=[9, 8, 7], max_tokens=250, engine_priority=10)
                 for _ in range(MAX_NUM_SEQS)]
     streams = [vllm_engine.generate(it) for it in blockers]
@@ -346,22 +347,35 @@ async def test_a_replacement_submitted_before_the_abort_takes_the_freed_slot(
     while vllm_engine._tap.num_waiting < 1:  # in vLLM's waiting queue
         assert time.monotonic() < deadline, vllm_engine.load()
         await asyncio.sleep(0.01)
+    victim_id = blockers[0].request.request_id
+    victim_reader = asyncio.create_task(run(streams[0], "victim"))
+    await asyncio.sleep(0.05)  # it is reading the victim's tokens
     replacement = make_item(prompt_token_ids=[3, 4], max_tokens=3, engine_priority=0)
+    llm, aborts = vllm_engine._llm, []
+    real_abort = llm.abort
+
+    async def spy_abort(request_id, *args, **kwargs):
+        if request_id == victim_id:
+            acc = vllm_engine._inflight.get(replacement.request.request_id)
+            aborts.append(acc is not None and acc.submission.done())
+        await real_abort(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "abort", spy_abort)
     rep_stream = vllm_engine.generate(replacement)
     if free_by == "abort":
-        await vllm_engine.abort(blockers[0].request.request_id)
-        rest = [d async for d in streams[0]]
-        assert rest[-1].finish_reason == "abort"
+        await vllm_engine.abort(victim_id)
+        await asyncio.wait_for(victim_reader, 30)
     else:
+        victim_reader.cancel()  # as the worker's pump is, then the stream closed
+        await asyncio.gather(victim_reader, return_exceptions=True)
         await streams[0].aclose()
-    # Whichever way the slot was freed, the replacement had reached vLLM first.
-    assert vllm_engine._inflight[replacement.request.request_id].submission.done()
+    assert aborts and all(aborts), aborts  # each after the replacement's submission
     await asyncio.wait_for(run(rep_stream, "replacement"), 30)
     for it in blockers[1:]:
         await vllm_engine.abort(it.request.request_id)
-    for s in streams[1:]:
-        async for _ in s:
+    for st in streams[1:]:
+        async for _ in st:
             pass
     await asyncio.wait_for(waiting, 30)
-    assert first_tokens == ["replacement", "prefetched"]
+    assert [t for t in first_tokens if t != "victim"] == ["replacement", "prefetched"]
     await wait_idle(vllm_engine)
