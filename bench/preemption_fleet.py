@@ -18,13 +18,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fleet import Fleet  # noqa: E402
+from bench.preemption_report import PROMPT_TOKENS  # noqa: E402
 from fairlane.protocol import Finished, Preempted, ProtocolError, decode_event  # noqa: E402
 from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams  # noqa: E402
 from producer.spec import new_request_id  # noqa: E402
 
 VARIANTS = ["fifo", "drr", "drr+preempt"]
-PROMPT = "x" * 128  # 32 prompt tokens (4 chars/token estimate)
-PROMPT_TOKENS = 32
+PROMPT = "x" * 4 * PROMPT_TOKENS  # 4 chars per token, the producer's estimate
 OUT_MIN, OUT_MAX = 128, 384  # output tokens, uniform (mean 256)
 WEIGHTED = {"w1": 1, "w2": 2, "w4": 4}
 TIERS = ("enterprise", "free")

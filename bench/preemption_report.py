@@ -16,6 +16,8 @@ from bench.harness import (
     tail,
     verdict,
 )
+from bench.preemption_floor import floor_tail
+from gpu_worker.sim.step_model import load_step_model
 
 TITLE = "Fleet-level preemption (issue 10): fifo vs drr vs drr+preemption on the real fleet"
 
@@ -34,6 +36,8 @@ shared cores were. Targets (issue 10) are checked against the
 **drr+preempt** row and reported as met or missed."""
 
 TARGET_RATIO = 1.5
+PROMPT_TOKENS = 32  # every request's prompt in bench/preemption.py (probes and floods)
+STEP_MODEL = "default"  # the workers' step model in bench/preemption.py
 TARGET_THROUGHPUT = 0.97
 TARGET_RECOMPUTED_PCT = 2.0
 TARGET_SHARE_ERR = 0.02
@@ -63,14 +67,17 @@ def _tail_cell(label: str, cs: str, txt: str) -> str:
     return f"max {cs.strip()} {txt}" if cs else f"max={txt}"
 
 
-def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> dict[str, dict]:
+def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
+                num_seqs: int = 32) -> dict[str, dict]:
     """Per variant, the figures of a burst scenario: the alone reference (`alone`
     samples, `alone_label`/`alone_tail`, `pooled_tail` over every variant's alone
     samples) and, one value per repetition that ran it, `p50s`, `tails`, `ratios`,
     `ratios_pooled`, `n_samples`, `pre_ev` (preemptions/s), `publish` (burst publish s);
     `label` ("p99" when every repetition's tail was a p99, else "max") and `censored`
-    (probes without a first token, all repetitions). What `probe_rows` prints and
-    `bench/render_benchmarks.py` renders."""
+    (probes without a first token, all repetitions); `floor_ratio`: the best "tail
+    during ÷ alone" any scheduler could reach on a full batch of `num_seqs`
+    (`bench/preemption_floor.py`, from the same alone samples). What `probe_rows`
+    prints and `bench/render_benchmarks.py` renders."""
     out: dict[str, dict] = {}
     # On an idle fleet the variants behave alike (nothing contends, nothing preempts),
     # so all variants' alone samples pooled are a steadier reference than one window.
@@ -99,7 +106,9 @@ def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> 
             ratios_pooled.append(ratio(t, pooled_tail))
             pre_ev.append(sc["preempted_events"] / max(sc["probe_window_s"], 1e-9))
             publish.append(sc["publish_s"])
+        floor = floor_tail(alone, load_step_model(STEP_MODEL), num_seqs, PROMPT_TOKENS)
         out[v] = {"alone": alone, "alone_label": a_label, "alone_tail": a_tail,
+                  "floor_tail": floor, "floor_ratio": ratio(floor, a_tail),
                   "pooled_tail": pooled_tail, "p50s": p50s, "tails": tails,
                   "ratios": ratios, "ratios_pooled": ratios_pooled, "n_samples": n_samples,
                   "pre_ev": pre_ev, "publish": publish, "censored": cens,
@@ -107,14 +116,16 @@ def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> 
     return out
 
 
-def probe_rows(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> tuple[list[str], dict]:
+def probe_rows(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
+               num_seqs: int = 32) -> tuple[list[str], dict]:
     """Table rows for a burst scenario and per-variant figures {variant: {...}}."""
     rows: list[str] = []
     figs: dict[str, dict] = {}
-    for v, st in probe_stats(recs, scen, alone_key).items():
+    for v, st in probe_stats(recs, scen, alone_key, num_seqs).items():
         alone, a_label, a_tail = st["alone"], st["alone_label"], st["alone_tail"]
         ratios, ratios_pooled, cens = st["ratios"], st["ratios_pooled"], st["censored"]
         figs[v] = {"ratio": summarize(ratios).median, "alone_tail": a_tail,
+                   "floor_ratio": st["floor_ratio"],
                    "ratio_pooled": summarize(ratios_pooled).median,
                    "alone_label": a_label, "censored": cens}
         cs = "≥ " if cens else ""
@@ -237,6 +248,13 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
       f"{args.alone_s:g} s); A's burst {args.burst:,}, F's burst {args.tier_burst:,}; "
       f"backlogged: {args.outstanding} closed-loop requests per tenant, warm-up "
       f"{args.warmup_s:g} s, window {args.window_s:g} s")
+    if getattr(args, "prober", "inline") == "process":
+        p("- probers (B, L, E): each probe phase in a client process of its own "
+          "(`--prober process`, bench/preemption_prober.py), as another organisation's "
+          "client; the flood's requests and tokens on the bench's client")
+    else:
+        p("- probers (B, L, E): on the bench's client, the one that also reads the flood's "
+          "tokens (`--prober inline`)")
     p(f"- total wall time: {wall_s / 60:.1f} min"
       + (f"; **{len(failed)} run(s) failed**: " + "; ".join(
           f"{r.variant}#{r.rep}: {r.error}" for r in failed) if failed else ""))
@@ -275,7 +293,7 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
         p(text + "\n")
         p(hdr)
         p(sep)
-        rows, figs[scen] = probe_rows(recs, scen, alone_key)
+        rows, figs[scen] = probe_rows(recs, scen, alone_key, args.max_num_seqs)
         L.extend(rows)
         p("")
     noisy, tier = figs.get("noisy", {}), figs.get("tier", {})
@@ -352,6 +370,10 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
     def line(name: str, value: float, target: str, ok: str, extra: str = "") -> None:
         p(f"- {name}: {value} (target {target}) → **{ok}**{extra}")
 
+    def floor(f: dict) -> str:
+        return (f"; the floor on this engine, whatever the scheduler: "
+                f"{fmt_num(f['floor_ratio'], 2)} (bench/preemption_floor.py)")
+
     if pv in noisy:
         n = noisy[pv]
         c = " (≥: censored probes)" if n["censored"] else ""
@@ -359,20 +381,21 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
              verdict(n["ratio"], TARGET_RATIO), c
              + f" (÷ pooled alone: {fmt_num(n['ratio_pooled'], 2)})"
              + f"; drr without preemption: {fmt_num(noisy.get('drr', {}).get('ratio'), 2)}, "
-               f"fifo: {fmt_num(noisy.get('fifo', {}).get('ratio'), 1)}")
+               f"fifo: {fmt_num(noisy.get('fifo', {}).get('ratio'), 1)}" + floor(n))
     if pv in figs.get("light", {}):
         g = figs["light"]
         line("(not in the issue) light neighbour, L's tail during ÷ alone",
              fmt_num(g[pv]["ratio"], 2), "≤ 1.5", verdict(g[pv]["ratio"], TARGET_RATIO),
              f" (÷ pooled alone: {fmt_num(g[pv]['ratio_pooled'], 2)})"
-             f"; drr without preemption: {fmt_num(g.get('drr', {}).get('ratio'), 2)}")
+             f"; drr without preemption: {fmt_num(g.get('drr', {}).get('ratio'), 2)}"
+             + floor(g[pv]))
     if pv in tier:
         t = tier[pv]
         line("tier reclaim, E's tail during ÷ alone", fmt_num(t["ratio"], 2), "≤ 1.5",
              verdict(t["ratio"], TARGET_RATIO),
              f" (÷ pooled alone: {fmt_num(t['ratio_pooled'], 2)})"
              f"; drr without preemption: {fmt_num(tier.get('drr', {}).get('ratio'), 2)}, "
-             f"fifo: {fmt_num(tier.get('fifo', {}).get('ratio'), 1)}")
+             f"fifo: {fmt_num(tier.get('fifo', {}).get('ratio'), 1)}" + floor(t))
     if pv in back:
         b = back[pv]
         line("throughput ÷ fifo", fmt_num(b["vs_fifo"], 3), "≥ 0.97",
