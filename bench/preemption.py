@@ -88,23 +88,43 @@ from bench.preemption_fleet import (  # noqa: E402
     tenants_yaml,
     wait_until,
 )
+from bench.preemption_prober import prober_argv, run_prober  # noqa: E402
 from bench.preemption_report import HOW_TO_READ, TITLE, report  # noqa: E402
 from fairlane.embedded import NatsServer, free_port  # noqa: E402
 from producer.client import FairlaneClient, RequestError  # noqa: E402
 from producer.spec import new_request_id  # noqa: E402
 
 
+async def run_probe(fleet: PFleet, client, args, tenant: str, seed: int, duration_s: float,
+                    out_range: tuple[int, int],
+                    done_grace_s: float | None = None) -> tuple[list[dict], float]:
+    """Probe as `tenant` for `duration_s`: in a client process of its own (`--prober
+    process`, bench/preemption_prober.py) or on the bench's client (`inline`). Returns
+    the probe records (`preempted_for` still False: the caller fills it in) and this
+    loop's time when probing began. Leftover probes are cancelled."""
+    if args.prober == "process":
+        argv = prober_argv(nats_url=fleet.nats_url, prefix=fleet.prefix, tenant=tenant,
+                           seed=seed, duration_s=duration_s, out_range=out_range, args=args,
+                           done_grace_s=done_grace_s)
+        grace = args.done_grace_s if done_grace_s is None else done_grace_s
+        return await run_prober(argv, duration_s + args.first_grace_s + grace + 60)
+    t0 = asyncio.get_running_loop().time()
+    reqs, tr, cutoff = await probe(client, tenant, args, random.Random(seed), duration_s,
+                                   out_range, done_grace_s=done_grace_s)
+    await tr.cancel_all()
+    return [probe_record(r, cutoff, {}) for r in reqs], t0
+
+
 async def scenario_alone(fleet: PFleet, client, args, tenant: str, seed: int,
                          notes: list[str], tag: str,
                          out_range: tuple[int, int] = (OUT_MIN, OUT_MAX)) -> dict:
     # No Usage needed here (the split is reported for the bursts only): cancel at once.
-    reqs, tr, cutoff = await probe(client, tenant, args, random.Random(seed), args.alone_s,
-                                   out_range, done_grace_s=0.0)
-    await tr.cancel_all()
+    records, _ = await run_probe(fleet, client, args, tenant, seed, args.alone_s, out_range,
+                                 done_grace_s=0.0)
     st = await settle(fleet, client)
     if st != "ok":
         notes.append(f"{tag}/alone {tenant}: {st}")
-    return {"probes": [probe_record(r, cutoff, {}) for r in reqs]}
+    return {"probes": records}
 
 
 Phase = tuple[str, str, tuple[int, int]]  # (result key, prober tenant, output range)
@@ -131,22 +151,23 @@ async def scenario_burst(fleet: PFleet, client, args, *, flood: str, burst: int,
     out: dict[str, dict] = {}
     for k, (key, prober, out_range) in enumerate(phases):
         m0 = await asyncio.to_thread(fleet.scrape)
-        t_probe = loop.time()
-        reqs, ptr, cutoff = await probe(client, prober, args, random.Random(seed + 1 + k),
-                                        args.probe_s, out_range)
+        probes, t_probe = await run_probe(fleet, client, args, prober, seed + 1 + k,
+                                          args.probe_s, out_range)
         t_end = t_probe + args.probe_s
         m1 = await asyncio.to_thread(fleet.scrape)
         victims = fleet.preempted_for()
-        await ptr.cancel_all()
+        for p in probes:
+            p["preempted_for"] = p["request_id"] in victims
         n_pre = sum(1 for t, _ in fleet.preempted if t_probe <= t < t_end)
         out[key] = {
             "publish_s": publish_s,
-            "probes": [probe_record(r, cutoff, victims) for r in reqs],
+            "probes": probes,
             "probe_window_s": args.probe_s,
             "preempted_events": n_pre,
             "prom_delta": counter_deltas(m0, m1),
             "flood_backlog": sum(1 for r in flood_reqs if not r.t_first and not r.error),
-            "errors": [r.error for r in reqs if r.error and r.error != "bench_cancelled"],
+            "errors": [p["error"] for p in probes
+                       if p["error"] and p["error"] != "bench_cancelled"],
         }
     n_cancel = await tr.cancel_all()
     st = await settle(fleet, client)
@@ -385,6 +406,11 @@ def main() -> int:
     ap.add_argument("--client-silence-s", type=float, default=0.0,
                     help="the bench client's silence_s (0: the library default, 3 s: every "
                          "queued stream silent that long asks the dispatcher its status)")
+    ap.add_argument("--prober", choices=("process", "inline"), default="process",
+                    help="where the quiet tenant's client runs: a process of its own, as "
+                         "another organisation's client would (bench/preemption_prober.py), "
+                         "or the bench's client that also reads the flood's tokens (the "
+                         "layout of every run before 2026-11-27)")
     ap.add_argument("--stop-grace-s", type=float, default=6.0)
     ap.add_argument("--log-dir", default="", help="keep process logs here (default: temp)")
     ap.add_argument("--output", default="")
