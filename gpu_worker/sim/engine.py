@@ -25,7 +25,9 @@ fleet's fairness and latency behave as they would on real GPUs:
 - ``sampling.stop`` strings (finish "stop"; the stop string is not returned).
 
 ``time_scale`` multiplies every sleep (1.0 = real time, 0.01 = 100× faster); the
-accounting (``kv_token_seconds``) is always in simulated seconds.
+accounting (``kv_token_seconds``) is always in simulated seconds. Steps keep to the
+model's clock: each sleeps until its due end, and a late wake-up (the worker's loop
+busy) is taken out of the next step, up to one step's lateness.
 """
 
 from __future__ import annotations
