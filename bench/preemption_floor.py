@@ -1,4 +1,4 @@
-"""The floor under a quiet prober's TTFT behind a full batch, whatever the scheduler.
+"""What batching adds to a quiet prober's TTFT behind a full batch, whatever the scheduler.
 
 An engine that batches continuously (vLLM, and the simulator that models it) runs one
 step at a time and admits new work only between steps; while any sequence runs, a step
@@ -10,20 +10,24 @@ is running. So a probe that reaches a full, busy engine waits, however it got it
 2. then for its prefill step, which is batched with the other sequences' decodes and so
    longer than the same prefill on an idle engine by `delta_ms`.
 
-On an idle fleet the probe pays none of that. Its TTFT during a burst is therefore at
-least its TTFT alone plus U(0, step) + delta. `floor_tail` draws that sum, with the
-"alone" samples of the same run as the rest of the path (publish, dispatch, network,
-the lone prefill step), and returns its quantile: what the ratio "p99 during ÷ p99
-alone" could be at best on this engine and this machine. It is a lower bound:
+On an idle engine the probe pays neither. `floor_tail` adds a draw of both to the
+probe's TTFT samples on the idle fleet and returns the quantile of the sum: the ratio
+"p99 during ÷ p99 alone" that batching alone predicts, with the scheduler adding
+nothing. Its premises, and so where it applies:
 
-- the step is the smallest a full batch can take (its KV holds the flood's prompts
-  only; real decode steps also read the tokens generated so far, and some carry other
-  requests' prefills, both longer);
-- the rest of the path is taken as on the idle fleet (during a burst the dispatcher,
-  the broker and the machine are busier, never idler);
-- the two parts are drawn independently.
+- "alone" is an idle engine: true for a light prober (bench/preemption.py's L: ~2 of
+  64 slots), not for one whose own requests keep the engine busy (B, E: ~30 slots
+  alone, so their alone TTFT already pays part of the batching, and the estimate
+  overstates what the burst adds: E measured 1.38 against 1.46 at 3b41b13);
+- the step in progress is the smallest a full batch can take (its KV holds the prompts
+  only; real decode steps also read the generated tokens' KV, and some carry other
+  admissions' prefills, both longer), and the rest of the path is as on the idle fleet
+  (during a burst the machine is busier, never idler): both make it an underestimate;
+- the two parts are drawn independently; one 20 s alone window can catch a hiccup of
+  the machine, which then sits in both numbers of the ratio.
 
-Pure: no I/O. `bench/preemption_report.py` prints it beside the measured ratio.
+So it is an estimate, not a bound on a measured ratio. Pure: no I/O.
+`bench/preemption_report.py` prints it beside the light neighbour's measured ratio.
 """
 
 from __future__ import annotations

@@ -74,9 +74,10 @@ def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
     samples) and, one value per repetition that ran it, `p50s`, `tails`, `ratios`,
     `ratios_pooled`, `n_samples`, `pre_ev` (preemptions/s), `publish` (burst publish s);
     `label` ("p99" when every repetition's tail was a p99, else "max") and `censored`
-    (probes without a first token, all repetitions); `floor_ratio`: the best "tail
-    during ÷ alone" any scheduler could reach on a full batch of `num_seqs`
-    (`bench/preemption_floor.py`, from the same alone samples). What `probe_rows`
+    (probes without a first token, all repetitions); `floor_ratio`: the "tail during ÷
+    alone" that batching on a full batch of `num_seqs` predicts with the scheduler
+    adding nothing (`bench/preemption_floor.py`: meaningful for a light prober only,
+    whose alone engine is idle). What `probe_rows`
     prints and `bench/render_benchmarks.py` renders."""
     out: dict[str, dict] = {}
     # On an idle fleet the variants behave alike (nothing contends, nothing preempts),
@@ -371,8 +372,9 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
         p(f"- {name}: {value} (target {target}) → **{ok}**{extra}")
 
     def floor(f: dict) -> str:
-        return (f"; the floor on this engine, whatever the scheduler: "
-                f"{fmt_num(f['floor_ratio'], 2)} (bench/preemption_floor.py)")
+        return (f"; what batching alone predicts (a step in progress + the batched "
+                f"prefill, any scheduler): {fmt_num(f['floor_ratio'], 2)} "
+                "(bench/preemption_floor.py)")
 
     if pv in noisy:
         n = noisy[pv]
@@ -381,7 +383,7 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
              verdict(n["ratio"], TARGET_RATIO), c
              + f" (÷ pooled alone: {fmt_num(n['ratio_pooled'], 2)})"
              + f"; drr without preemption: {fmt_num(noisy.get('drr', {}).get('ratio'), 2)}, "
-               f"fifo: {fmt_num(noisy.get('fifo', {}).get('ratio'), 1)}" + floor(n))
+               f"fifo: {fmt_num(noisy.get('fifo', {}).get('ratio'), 1)}")
     if pv in figs.get("light", {}):
         g = figs["light"]
         line("(not in the issue) light neighbour, L's tail during ÷ alone",
@@ -395,7 +397,7 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
              verdict(t["ratio"], TARGET_RATIO),
              f" (÷ pooled alone: {fmt_num(t['ratio_pooled'], 2)})"
              f"; drr without preemption: {fmt_num(tier.get('drr', {}).get('ratio'), 2)}, "
-             f"fifo: {fmt_num(tier.get('fifo', {}).get('ratio'), 1)}" + floor(t))
+             f"fifo: {fmt_num(tier.get('fifo', {}).get('ratio'), 1)}")
     if pv in back:
         b = back[pv]
         line("throughput ÷ fifo", fmt_num(b["vs_fifo"], 3), "≥ 0.97",
