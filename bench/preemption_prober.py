@@ -57,7 +57,8 @@ async def run_prober(argv: list[str], timeout_s: float) -> tuple[list[dict], flo
     after GO (it is killed then)."""
     loop = asyncio.get_running_loop()
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        limit=1 << 24)  # the records are one line: ~180 bytes a probe
     assert proc.stdin is not None and proc.stdout is not None
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
