@@ -77,8 +77,8 @@ def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
     (probes without a first token, all repetitions); `floor_ratio`: the "tail during ÷
     alone" that batching on a full batch of `num_seqs` predicts with the scheduler
     adding nothing (`bench/preemption_floor.py`: meaningful for a light prober only,
-    whose alone engine is idle). What `probe_rows`
-    prints and `bench/render_benchmarks.py` renders."""
+    whose alone engine is idle). What `probe_rows` prints and
+    `bench/render_benchmarks.py` renders."""
     out: dict[str, dict] = {}
     # On an idle fleet the variants behave alike (nothing contends, nothing preempts),
     # so all variants' alone samples pooled are a steadier reference than one window.
