@@ -82,14 +82,13 @@ from bench.preemption_fleet import (  # noqa: E402
     Tracker,
     counter_deltas,
     held,
-    probe,
-    probe_record,
+    probe_records,
     settle,
     tenants_yaml,
     wait_until,
 )
 from bench.preemption_prober import prober_argv, run_prober  # noqa: E402
-from bench.preemption_report import HOW_TO_READ, TITLE, report  # noqa: E402
+from bench.preemption_report import HOW_TO_READ, STEP_MODEL, TITLE, report  # noqa: E402
 from fairlane.embedded import NatsServer, free_port  # noqa: E402
 from producer.client import FairlaneClient, RequestError  # noqa: E402
 from producer.spec import new_request_id  # noqa: E402
@@ -108,11 +107,7 @@ async def run_probe(fleet: PFleet, client, args, tenant: str, seed: int, duratio
                            done_grace_s=done_grace_s)
         grace = args.done_grace_s if done_grace_s is None else done_grace_s
         return await run_prober(argv, duration_s + args.first_grace_s + grace + 60)
-    t0 = asyncio.get_running_loop().time()
-    reqs, tr, cutoff = await probe(client, tenant, args, random.Random(seed), duration_s,
-                                   out_range, done_grace_s=done_grace_s)
-    await tr.cancel_all()
-    return [probe_record(r, cutoff, {}) for r in reqs], t0
+    return await probe_records(client, tenant, args, seed, duration_s, out_range, done_grace_s)
 
 
 async def scenario_alone(fleet: PFleet, client, args, tenant: str, seed: int,
@@ -270,7 +265,7 @@ async def run_unit(variant: str, rep: int, *, nats_url: str, args, log_root: Pat
     prefix = f"pe{run_id}{short}{rep}"
     tag = f"{variant}#{rep}"
     spec = WorkerSpec(max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
-                      time_scale=args.time_scale, step_model="default")
+                      time_scale=args.time_scale, step_model=STEP_MODEL)
     fleet = PFleet(nats_url, prefix, tenants_yaml(variant, args), "fifo" if variant == "fifo"
                    else "drr", log_root / f"{variant}-{rep}", num_workers=args.workers,
                    worker=spec, metrics_port=free_port())

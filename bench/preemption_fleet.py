@@ -325,3 +325,15 @@ async def probe(client: FairlaneClient, tenant: str, args, rng: random.Random,
     await wait_until(lambda: all(r.t_done or r.error for r in reqs if r.t_first),
                      args.done_grace_s if done_grace_s is None else done_grace_s)
     return reqs, tr, cutoff
+
+
+async def probe_records(client: FairlaneClient, tenant: str, args, seed: int,
+                        duration_s: float, out_range: tuple[int, int],
+                        done_grace_s: float | None = None) -> tuple[list[dict], float]:
+    """`probe`, then its leftovers cancelled: (the probe records, `preempted_for` unset:
+    the caller reads the dispatcher's log; the loop time at which probing began)."""
+    t0 = asyncio.get_running_loop().time()
+    reqs, tr, cutoff = await probe(client, tenant, args, random.Random(seed), duration_s,
+                                   out_range, done_grace_s=done_grace_s)
+    await tr.cancel_all()
+    return [probe_record(r, cutoff, {}) for r in reqs], t0

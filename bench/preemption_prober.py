@@ -10,8 +10,8 @@ own process, so the bench measures what the fleet gives a tenant whose client is
 its neighbour's.
 
 Protocol with the parent (`run_prober`): the child connects, prints `READY`, waits for
-one line on stdin (`GO`), probes, cancels what is left, and prints one JSON line with
-the probe records (`probe_record`, `preempted_for` left to the parent: it reads the
+one line on stdin (`GO`), probes and cancels what is left (`probe_records`), and prints
+one JSON line with the probe records (`preempted_for` left to the parent: it reads the
 dispatcher's log). The parent's clock marks the window at `GO`.
 
     python bench/preemption_prober.py --nats-url URL --prefix P --tenant L --seed 7 \\
@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.preemption_fleet import probe, probe_record  # noqa: E402
+from bench.preemption_fleet import probe_records  # noqa: E402
 from producer.client import FairlaneClient  # noqa: E402
 
 READY, GO = "READY", "GO"
@@ -88,11 +87,8 @@ async def amain(a: argparse.Namespace) -> int:
         line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         if line.strip() != GO:
             return 2
-        reqs, tr, cutoff = await probe(client, a.tenant, a, random.Random(a.seed),
-                                       a.duration_s, (a.out_min, a.out_max),
-                                       done_grace_s=a.done_grace_s)
-        await tr.cancel_all()
-        records = [probe_record(r, cutoff, {}) for r in reqs]
+        records, _ = await probe_records(client, a.tenant, a, a.seed, a.duration_s,
+                                         (a.out_min, a.out_max), a.done_grace_s)
     finally:
         await asyncio.wait_for(client.close(), 15)
     print(json.dumps({"probes": records}), flush=True)

@@ -3,6 +3,7 @@ records that `bench.preemption.run_unit` collected (`bench.harness.RunRecord`)."
 
 from __future__ import annotations
 
+import functools
 from argparse import Namespace
 from collections.abc import Iterable, Sequence
 
@@ -17,7 +18,7 @@ from bench.harness import (
     verdict,
 )
 from bench.preemption_floor import floor_tail
-from gpu_worker.sim.step_model import load_step_model
+from gpu_worker.sim.step_model import StepModel, load_step_model
 
 TITLE = "Fleet-level preemption (issue 10): fifo vs drr vs drr+preemption on the real fleet"
 
@@ -67,17 +68,25 @@ def _tail_cell(label: str, cs: str, txt: str) -> str:
     return f"max {cs.strip()} {txt}" if cs else f"max={txt}"
 
 
-def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
-                num_seqs: int = 32) -> dict[str, dict]:
+@functools.cache
+def _step_model() -> StepModel:
+    return load_step_model(STEP_MODEL)
+
+
+def light_floor_ratio(alone: list[float], alone_tail: float, num_seqs: int) -> float:
+    """The "tail during ÷ alone" that batching on a full batch of `num_seqs` predicts
+    for a prober whose `alone` samples found an idle engine, the scheduler adding
+    nothing (`bench/preemption_floor.py`: meaningful for the light prober only)."""
+    return ratio(floor_tail(alone, _step_model(), num_seqs, PROMPT_TOKENS), alone_tail)
+
+
+def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> dict[str, dict]:
     """Per variant, the figures of a burst scenario: the alone reference (`alone`
     samples, `alone_label`/`alone_tail`, `pooled_tail` over every variant's alone
     samples) and, one value per repetition that ran it, `p50s`, `tails`, `ratios`,
     `ratios_pooled`, `n_samples`, `pre_ev` (preemptions/s), `publish` (burst publish s);
     `label` ("p99" when every repetition's tail was a p99, else "max") and `censored`
-    (probes without a first token, all repetitions); `floor_ratio`: the "tail during ÷
-    alone" that batching on a full batch of `num_seqs` predicts with the scheduler
-    adding nothing (`bench/preemption_floor.py`: meaningful for a light prober only,
-    whose alone engine is idle). What `probe_rows` prints and
+    (probes without a first token, all repetitions). What `probe_rows` prints and
     `bench/render_benchmarks.py` renders."""
     out: dict[str, dict] = {}
     # On an idle fleet the variants behave alike (nothing contends, nothing preempts),
@@ -107,9 +116,7 @@ def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
             ratios_pooled.append(ratio(t, pooled_tail))
             pre_ev.append(sc["preempted_events"] / max(sc["probe_window_s"], 1e-9))
             publish.append(sc["publish_s"])
-        floor = floor_tail(alone, load_step_model(STEP_MODEL), num_seqs, PROMPT_TOKENS)
         out[v] = {"alone": alone, "alone_label": a_label, "alone_tail": a_tail,
-                  "floor_tail": floor, "floor_ratio": ratio(floor, a_tail),
                   "pooled_tail": pooled_tail, "p50s": p50s, "tails": tails,
                   "ratios": ratios, "ratios_pooled": ratios_pooled, "n_samples": n_samples,
                   "pre_ev": pre_ev, "publish": publish, "censored": cens,
@@ -117,16 +124,14 @@ def probe_stats(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
     return out
 
 
-def probe_rows(recs: dict[str, list[RunRecord]], scen: str, alone_key: str,
-               num_seqs: int = 32) -> tuple[list[str], dict]:
+def probe_rows(recs: dict[str, list[RunRecord]], scen: str, alone_key: str) -> tuple[list[str], dict]:
     """Table rows for a burst scenario and per-variant figures {variant: {...}}."""
     rows: list[str] = []
     figs: dict[str, dict] = {}
-    for v, st in probe_stats(recs, scen, alone_key, num_seqs).items():
+    for v, st in probe_stats(recs, scen, alone_key).items():
         alone, a_label, a_tail = st["alone"], st["alone_label"], st["alone_tail"]
         ratios, ratios_pooled, cens = st["ratios"], st["ratios_pooled"], st["censored"]
-        figs[v] = {"ratio": summarize(ratios).median, "alone_tail": a_tail,
-                   "floor_ratio": st["floor_ratio"],
+        figs[v] = {"ratio": summarize(ratios).median, "alone": alone, "alone_tail": a_tail,
                    "ratio_pooled": summarize(ratios_pooled).median,
                    "alone_label": a_label, "censored": cens}
         cs = "≥ " if cens else ""
@@ -294,7 +299,7 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
         p(text + "\n")
         p(hdr)
         p(sep)
-        rows, figs[scen] = probe_rows(recs, scen, alone_key, args.max_num_seqs)
+        rows, figs[scen] = probe_rows(recs, scen, alone_key)
         L.extend(rows)
         p("")
     noisy, tier = figs.get("noisy", {}), figs.get("tier", {})
@@ -372,8 +377,9 @@ def report(records: list[RunRecord], args, notes: list[str], wall_s: float) -> s
         p(f"- {name}: {value} (target {target}) → **{ok}**{extra}")
 
     def floor(f: dict) -> str:
+        predicted = light_floor_ratio(f["alone"], f["alone_tail"], args.max_num_seqs)
         return (f"; what batching alone predicts (a step in progress + the batched "
-                f"prefill, any scheduler): {fmt_num(f['floor_ratio'], 2)} "
+                f"prefill, any scheduler): {fmt_num(predicted, 2)} "
                 "(bench/preemption_floor.py)")
 
     if pv in noisy:

@@ -16,6 +16,7 @@ from bench.preemption_report import (
     TARGET_THROUGHPUT,
     backlog_stats,
     dry_tenants,
+    light_floor_ratio,
     load_records,
     probe_stats,
     queue_depth_recorded,
@@ -42,10 +43,10 @@ def _run(res: Results, stem: str) -> tuple[dict[str, list[RunRecord]], Namespace
     return by_variant(records), args
 
 
-def _stats(recs: dict[str, list[RunRecord]], args: Namespace, scen: str) -> dict[str, dict]:
+def _stats(recs: dict[str, list[RunRecord]], scen: str) -> dict[str, dict]:
     if not any(scen in r.metrics for rs in recs.values() for r in rs):
         return {}
-    return probe_stats(recs, scen, ALONE[scen], vars(args).get("max_num_seqs", 32))
+    return probe_stats(recs, scen, ALONE[scen])
 
 
 def scenario_label(scen: str, args: Namespace) -> str:
@@ -97,7 +98,7 @@ def isolation_table(res: Results, args: list[str], _old: str) -> str:
     for scen in scenarios:
         if scen not in ALONE:
             raise RenderError(f"unknown preemption scenario {scen!r} (known: {sorted(ALONE)})")
-        stats = _stats(recs, run_args, scen)
+        stats = _stats(recs, scen)
         st = stats.get(PV)
         if st is None:
             rows.append([scenario_label(scen, run_args)] + ["n/a"] * 5 + [f"≤ {TARGET_RATIO:g}"])
@@ -126,7 +127,7 @@ def targets_table(res: Results, args: list[str], _old: str) -> str:
     recs, run_args = _run(res, stem)
     rows = []
     for scen in ORDER:
-        stats = _stats(recs, run_args, scen)
+        stats = _stats(recs, scen)
         st = stats.get(PV)
         if st is None:
             continue
@@ -200,7 +201,8 @@ ISOLATION, FULL = "preemption_isolation", "preemption"
 
 def _isolation_row(res: Results, scen: str, claim: str,
                    stem: str = ISOLATION) -> tuple[list[str], list[str]]:
-    stats = _stats(*_run(res, stem), scen)
+    recs, run_args = _run(res, stem)
+    stats = _stats(recs, scen)
     st = stats.get(PV)
     if st is None:
         raise RenderError(f"{stem}.json has no {scen} scenario for {PV}")
@@ -209,8 +211,9 @@ def _isolation_row(res: Results, scen: str, claim: str,
     measured = (f"**{_ratio_txt(st)}** (drr {_ratio_median(stats.get('drr'))}), "
                 f"{len(st['ratios'])} interleaved reps, {per_rep} probes per rep")
     if scen == "light":  # the estimate's premise: the prober alone finds an idle engine
-        measured += (f"; what batching alone predicts, any scheduler: "
-                     f"{fmt_sig(st['floor_ratio'], '×')}")
+        predicted = light_floor_ratio(st["alone"], st["alone_tail"],
+                                      vars(run_args).get("max_num_seqs", 32))
+        measured += f"; what batching alone predicts, any scheduler: {fmt_sig(predicted, '×')}"
     target = f"≤ {TARGET_RATIO:g}× — {verdict(median(st['ratios']), TARGET_RATIO)}"
     return [claim, measured, target], [stem]
 
@@ -226,7 +229,7 @@ def summary_isolation_light(res: Results) -> list[str]:
     lo, hi = (list(vars(args).get("light_out") or []) + ["?", "?"])[:2]
     row, _ = _isolation_row(res, "light", f"§6 light neighbour ({lo}–{hi}-token probes) behind "
                             f"a {vars(args).get('burst', 0):,} burst, drr+preemption (drr)")
-    noisy = _stats(*_run(res, FULL), "noisy")
+    noisy = _stats(_run(res, FULL)[0], "noisy")
     if PV in noisy:
         row[1] += (f"; B probing at its whole share ({FULL}.json): {_ratio_median(noisy[PV])}"
                    f" (drr {_ratio_median(noisy.get('drr'))})")
@@ -246,7 +249,7 @@ def summary_full_light(res: Results) -> list[str]:
     lo, hi = (list(vars(args).get("light_out") or []) + ["?", "?"])[:2]
     row, _ = _isolation_row(res, "light", f"§6 light neighbour ({lo}–{hi}-token probes) behind "
                             f"a {vars(args).get('burst', 0):,} burst, drr+preemption (drr)", FULL)
-    noisy = _stats(*_run(res, FULL), "noisy")
+    noisy = _stats(_run(res, FULL)[0], "noisy")
     if PV in noisy:
         row[1] += (f"; B probing at its whole share: {_ratio_median(noisy[PV])}"
                    f" (drr {_ratio_median(noisy.get('drr'))})")
