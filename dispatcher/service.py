@@ -28,6 +28,7 @@ from dispatcher.held import Held, HeldMessages, usage_of, work_item
 from dispatcher.ingest import Ingest
 from dispatcher.janitor import Janitor
 from dispatcher.leader import LeaderLease, pool_lease
+from dispatcher.matching import Matching, WaitingPull
 from dispatcher.queries import answer_info, answer_status
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
@@ -43,15 +44,12 @@ from fairlane.protocol import (
     Preempt,
     Preempted,
     ProtocolError,
-    PullRequest,
     Requeue,
     Started,
     TokenChunk,
     WorkBatch,
-    WorkItem,
     decode_cancel,
     decode_event,
-    decode_pull,
     encode,
 )
 from fairlane.runtime import cancel_and_wait, log_nats_error, mono_ms, now_ms
@@ -63,19 +61,8 @@ from fairlane.validation import RequestLimits
 log = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True)
-class _Pull:
-    pull: PullRequest
-    reply: str
-    expires_ms: float
-
-    @property
-    def free_slots(self) -> int:  # items that start at once (an older worker: all)
-        return self.pull.max_items if self.pull.free_slots is None else self.pull.free_slots
-
-
 @dataclass
-class Dispatcher(Ingest):
+class Dispatcher(Ingest, Matching):
     settings: DispatcherSettings
     scheduler_config: SchedulerConfig | None = None
     nc: nats.NATS | None = None
@@ -105,7 +92,7 @@ class Dispatcher(Ingest):
         metrics.configure(s.metrics_max_tenants, s.tenant_idle_s)
         self.workers = self.core.workers
         self._held = HeldMessages(s.ack_wait_s)
-        self._pulls: deque[_Pull] = deque()
+        self._pulls: deque[WaitingPull] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()  # CheckStarted look-ups in progress
@@ -217,74 +204,6 @@ class Dispatcher(Ingest):
                 await self.nc.flush(timeout=2)
             await self.nc.close()
         log.info("dispatcher_stopped")
-
-    # --- pulls: matching queued work to workers with room ------------------------------
-
-    async def _on_pull(self, msg: Msg) -> None:
-        try:
-            pull = decode_pull(msg.data)
-        except ProtocolError as exc:
-            log.warning("bad_pull", error=exc.message)
-            if msg.reply:
-                await self.nc.publish(msg.reply, encode(WorkBatch()))
-            return
-        now = mono_ms()
-        await self._apply(self.core.on_pull(pull.worker_id, pull.free_kv_tokens, now,
-                                            pull.incarnation))
-        self._pulls.append(_Pull(pull, msg.reply, now + pull.wait_ms))
-        self._wake.set()
-
-    async def _match_loop(self) -> None:
-        """Serve waiting pulls in arrival order whenever work or a pull arrives."""
-        while True:
-            timeout = None
-            if self._pulls:
-                timeout = max(0.0, min(p.expires_ms for p in self._pulls) - mono_ms()) / 1000
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            self._wake.clear()
-            await self._serve_pulls()
-
-    async def _serve_pulls(self) -> None:
-        now = mono_ms()
-        pending: deque[_Pull] = deque()
-        if self.lease is not None and not self.lease.leading():
-            return  # fenced: dispatch nothing more; unanswered pulls time out
-        # Before prefetch takes it: a waiting request of a tenant below its share would
-        # sit in an engine's queue until a slot turns over. And pulls with a slot free
-        # are served first, so the policy's next pick starts at once rather than in
-        # another worker's prefetch.
-        await self._maybe_preempt(now)
-        if self.scheduler.num_queued and len(self._pulls) > 1:
-            self._pulls = deque(sorted(self._pulls, key=lambda p: p.free_slots == 0))
-        while self._pulls:
-            p = self._pulls.popleft()
-            # Not declared lost since (nor replaced by a newer incarnation).
-            alive = self.core.is_alive(p.pull.worker_id, p.pull.incarnation)
-            batch = self._select_for(p.pull, now)
-            if batch or now >= p.expires_ms or not alive:
-                await self.nc.publish(p.reply, encode(WorkBatch(items=batch, epoch=self.epoch)))
-            else:
-                pending.append(p)
-        self._pulls = pending
-        await self._maybe_preempt(now)
-
-    async def _maybe_preempt(self, now: float) -> None:
-        """Work waits and no pull has a slot free (prefetch room does not count): maybe
-        a tenant below its fair share should not wait for a slot to turn over
-        (DESIGN.md section 5b). The core decides, and rechecks cheaply."""
-        if (self.scheduler.num_queued and not any(p.free_slots for p in self._pulls)
-                and (self.lease is None or self.lease.leading())):
-            await self._apply(self.core.preemptions(now, 0))
-
-    def _select_for(self, pull: PullRequest, now: float) -> list[WorkItem]:
-        free_kv = pull.free_kv_tokens if pull.free_kv_tokens > 0 else None
-        items: list[WorkItem] = []
-        epoch = now_ms()
-        for d in self.core.select(pull.worker_id, pull.max_items, now, free_kv,
-                                  incarnation=pull.incarnation):
-            items.append(work_item(d, now, epoch))
-        return items
 
     # --- events from workers -----------------------------------------------------------
 

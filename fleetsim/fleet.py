@@ -9,8 +9,9 @@ module is the glue the real processes provide over NATS, written as events:
 - a worker pulls when it has room (the worker's `_room` rule: batch cap + prefetch,
   no more prefetch while its engine queue holds some), one pull at a time; the
   dispatcher answers at once or holds the pull until work arrives or `pull_wait_ms`;
-- pulls with a free slot are served first, and when work waits and no pull has a
-  free slot the core is asked for preemptions (as `dispatcher.service`);
+- queued work is spread over the waiting pulls, free slots first, then prefetch room
+  (`dispatcher.scheduler.spread`), and when work waits and no pull has a free slot the
+  core is asked for preemptions (as `dispatcher.service`);
 - every message between dispatcher and worker takes `network_ms`;
 - a worker's engine runs one step at a time, or a whole run of steps at once when
   nothing can change its batch (`BatchCore.steps_until_change`); work arriving
@@ -35,11 +36,12 @@ from collections.abc import Callable, Iterator
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
+from dispatcher.scheduler.spread import NOTHING_ELIGIBLE, spread
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
 from fleetsim.records import Arrival, Sink, TenantTable
-from fleetsim.state import FleetSettings, Req, Run, Worker
+from fleetsim.state import FleetSettings, Pull, Req, Run, Worker
 from gpu_worker.room import pull_room
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
@@ -69,10 +71,11 @@ class Fleet:
         self._by_id = {w.worker_id: w for w in self.workers}
         self._events: list[tuple[float, int, Callable, object]] = []
         self._seq = itertools.count()
-        # Waiting pulls, (worker, max_items, free KV, free slots, expires): those with a
-        # free slot are served first (dispatcher.service), each in arrival order.
-        self._pulls_free: dict[int, tuple[Worker, int, int, int, float]] = {}
-        self._pulls_prefetch: dict[int, tuple[Worker, int, int, int, float]] = {}
+        # Waiting pulls by arrival, those with a free slot apart (served first); the
+        # pulls a serving pass gave work to (`_take`), answered at its end.
+        self._pulls_free: dict[int, Pull] = {}
+        self._pulls_prefetch: dict[int, Pull] = {}
+        self._served: list[Pull] = []
         self._pull_ids = itertools.count()
         self._tier_index = {name: i for i, name in enumerate(tenants.tiers)}
         self.now_ms = 0.0
@@ -169,38 +172,53 @@ class Fleet:
     def _serve_pulls(self) -> None:
         if not self.scheduler.num_queued:
             return  # nothing to serve, nothing to preempt for
-        now = self.now_ms
         self._maybe_preempt()
-        nothing = False
-        for pulls in (self._pulls_free, self._pulls_prefetch):
-            served = []
-            for key, (w, max_items, free_kv, _free_slots, _expires_ms) in pulls.items():
-                if not self.scheduler.num_queued:
-                    break  # the rest wait (their expiry events answer them)
-                items = self.core.select(w.worker_id, max_items, now, free_kv or None)
-                if not items:
-                    if not self.core.is_alive(w.worker_id):
-                        continue
-                    # Nothing queued may go now (quota-blocked tenants): whether select
-                    # finds something does not depend on the (live) pull, and a select
-                    # that finds nothing leaves nothing behind that would make the next
-                    # one find something (DRR/VTC park the blocked tenants, fifo puts
-                    # back what it scanned), so every other pull would get nothing too.
-                    # The dispatcher asks each of them (O(pulls) per pass); skipped.
-                    nothing = True
-                    break
-                served.append(key)
-                self._at(now + self.s.network_ms, self._on_batch, (w, items))
-            for key in served:
-                del pulls[key]
-            if nothing:
-                break
+        # As `dispatcher.service`: free slots first, then prefetch room, each spread
+        # evenly over the waiting pulls in arrival order (`scheduler.spread`).
+        free, prefetch = self._pulls_free, self._pulls_prefetch
+        served = self._served
+        if spread(free.values(), self._num_queued, self._take, Pull.room_now) \
+                and self.scheduler.num_queued:
+            spread(itertools.chain(free.values(), prefetch.values()), self._num_queued,
+                   self._take, Pull.room)
+        if served:
+            at, t = self._at, self.now_ms + self.s.network_ms
+            for p in served:
+                if free.pop(p.key, None) is None:
+                    del prefetch[p.key]
+                at(t, self._on_batch, (p.worker, p.items))
+            served.clear()
         self._maybe_preempt()
+
+    def _num_queued(self) -> int:
+        return self.scheduler.num_queued
+
+    def _take(self, p: Pull, n: int) -> int:
+        """Up to `n` more items for pull `p` (`spread`'s take)."""
+        free_kv = p.free_kv_tokens - p.kv_given if p.free_kv_tokens else None
+        got = self.core.select(p.worker.worker_id, n, self.now_ms, free_kv,
+                               must_fit=bool(p.items))
+        if not got:
+            # Nothing for a live pull that has nothing yet: what is queued may not go
+            # now (quota-blocked tenants). Whether select finds something does not
+            # depend on the (live) pull, and a select that finds nothing leaves nothing
+            # behind that would make the next one find something (DRR/VTC park the
+            # blocked tenants, fifo puts back what it scanned), so every other pull
+            # would get nothing too. The dispatcher asks each of them (O(pulls) per
+            # pass); `spread` stops here.
+            return NOTHING_ELIGIBLE if not p.items and self.core.is_alive(
+                p.worker.worker_id) else 0
+        if not p.items:
+            self._served.append(p)
+        p.items += got
+        for d in got:
+            p.kv_given += d.request.kv_tokens
+        return len(got)
 
     def _expire_pull(self, key: int) -> None:
         p = self._pulls_free.pop(key, None) or self._pulls_prefetch.pop(key, None)
         if p is not None:
-            self._at(self.now_ms + self.s.network_ms, self._on_batch, (p[0], []))
+            self._at(self.now_ms + self.s.network_ms, self._on_batch, (p.worker, []))
 
     def _housekeeping(self, _: object) -> None:
         self._apply(self.core.tick(self.now_ms))
@@ -220,12 +238,11 @@ class Fleet:
     def _to_dispatcher(self, fn: Callable, arg: object) -> None:
         self._at(self.now_ms + self.s.network_ms, fn, arg)
 
-    def _on_pull(self, p: tuple) -> None:
-        w = p[0]
-        self._apply(self.core.on_pull(w.worker_id, p[2], self.now_ms))
-        key = next(self._pull_ids)
-        (self._pulls_free if p[3] else self._pulls_prefetch)[key] = p
-        self._at(p[4], self._expire_pull, key)
+    def _on_pull(self, p: Pull) -> None:
+        self._apply(self.core.on_pull(p.worker.worker_id, p.free_kv_tokens, self.now_ms))
+        p.key = key = next(self._pull_ids)
+        (self._pulls_free if p.free_slots else self._pulls_prefetch)[key] = p
+        self._at(p.expires_ms, self._expire_pull, key)
         self._serve_pulls()
 
     def _on_started(self, arg: tuple[Worker, str]) -> None:
@@ -276,7 +293,7 @@ class Fleet:
             return  # asks again when a slot frees (a finish)
         w.pulling = True
         t = self.now_ms + self.s.network_ms
-        self._at(t, self._on_pull, (w, room, free_kv, free_slots, t + self.s.pull_wait_ms))
+        self._at(t, self._on_pull, Pull(0, w, room, free_kv, free_slots, t + self.s.pull_wait_ms))
 
     def _on_batch(self, arg: tuple[Worker, list[Dispatch]]) -> None:
         w, items = arg

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dispatcher.scheduler.types import Dispatch
 from fleetsim.records import Arrival
 from gpu_worker.sim.batch import BatchCore, Seq
 
@@ -49,6 +50,27 @@ class Req:
     # those after `tok_out`, spread over [tok_ms, then].
     tok_ms: float = 0.0
     tok_out: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Pull:
+    """A worker's pull waiting at the dispatcher (`fairlane.protocol.PullRequest`), and
+    what a serving pass gives it (`dispatcher.scheduler.spread`)."""
+
+    key: int
+    worker: Worker
+    max_items: int
+    free_kv_tokens: int  # 0: no KV figure (unbounded)
+    free_slots: int
+    expires_ms: float
+    items: list[Dispatch] = field(default_factory=list)
+    kv_given: int = 0
+
+    def room_now(self) -> int:  # free slots not yet given work in this pass
+        return min(self.free_slots, self.max_items) - len(self.items)
+
+    def room(self) -> int:
+        return self.max_items - len(self.items)
 
 
 @dataclass(slots=True)

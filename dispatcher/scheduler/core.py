@@ -265,10 +265,10 @@ class Scheduler:
         return None
 
     def select(self, max_items: int, now_ms: float, free_kv_tokens: int | None = None,
-               worker_id: str | None = None) -> list[Dispatch]:
-        """Pick up to `max_items` requests for one pulling worker (`worker_id`).
-        `free_kv_tokens` bounds the sum of the picks' KV needs (the first pick always
-        goes: the engine preempts if it must, and a lone request must make progress)."""
+               worker_id: str | None = None, must_fit: bool = False) -> list[Dispatch]:
+        """Up to `max_items` requests for one pulling worker (`worker_id`), their KV needs
+        within `free_kv_tokens` bar the first pick's (a lone request must progress), or
+        all of them if `must_fit` (a pull served again in a pass: what it has left)."""
         out: list[Dispatch] = []
         kv_budget = free_kv_tokens
         while len(out) < max_items and self._queued:
@@ -283,7 +283,7 @@ class Scheduler:
                 self.policy.push_front(req, now_ms)
                 self.policy.take(home, now_ms)
                 req = home
-            if kv_budget is not None and out and req.kv_tokens > kv_budget:
+            if kv_budget is not None and (out or must_fit) and req.kv_tokens > kv_budget:
                 if held is None:
                     self.policy.push_front(req, now_ms)
                 break

@@ -275,11 +275,13 @@ class PoolCore:
                                   or w.incarnation == incarnation)
 
     def select(self, worker_id: str, max_items: int, now_ms: float,
-               free_kv_tokens: int | None = None, incarnation: str = "") -> list[Dispatch]:
-        """Work for one pulling worker; nothing for a worker declared lost since."""
+               free_kv_tokens: int | None = None, incarnation: str = "",
+               must_fit: bool = False) -> list[Dispatch]:
+        """Work for one pulling worker; nothing for a worker declared lost since.
+        `must_fit`: see `Scheduler.select` (a pull served a second time in one pass)."""
         if not self.is_alive(worker_id, incarnation) or not self.scheduler.num_queued:
             return []
-        out = self.scheduler.select(max_items, now_ms, free_kv_tokens, worker_id)
+        out = self.scheduler.select(max_items, now_ms, free_kv_tokens, worker_id, must_fit)
         for d in out:
             self.workers.assign(d.request.request_id, worker_id, now_ms)
             self.observer.dispatched(d.request, now_ms)

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from dispatcher.config import DispatcherSettings
+from dispatcher.matching import WaitingPull
 from dispatcher.service import Dispatcher
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import (
@@ -27,6 +28,7 @@ from fairlane.protocol import (
     decode_work_batch,
     encode,
 )
+from fairlane.runtime import mono_ms
 from fairlane.subjects import REPLY_HEADER, Subjects
 from producer.client import FairlaneClient, RequestError
 from tests.helpers import request, spec, wait_until
@@ -139,6 +141,31 @@ async def test_dispatch_ack_on_started_and_finish(env, nc):
     assert done.text == "abc" and done.finish_reason == "stop"
     await wait_until(lambda: dispatcher.scheduler.num_in_flight == 0)
     await _stream_drained(js, subjects)  # acked on Started: never replayed
+
+
+async def test_queued_work_is_spread_over_the_waiting_pulls(env, nc):
+    """Three requests queued and two workers' pulls (slots free) waiting when the
+    dispatcher serves: each worker gets work (2 + 1), not the first all three (their
+    prefills in one step while the other engine idles). The pulls are placed as
+    `_on_pull` places them, both before the serve: over the wire, whether the match
+    loop runs between two pulls is up to the event loop."""
+    dispatcher, client, subjects = env
+    streams = [await client.submit(spec(tenant="acme", pool="p", prompt=f"hi {i}",
+                                        max_tokens=3)) for i in range(3)]
+    await wait_until(lambda: dispatcher.scheduler.num_queued == 3)
+    subs = []
+    for wid in ("w1", "w2"):
+        await ScriptedWorker(nc, subjects, "p", wid).heartbeat()
+        subs.append(await nc.subscribe(nc.new_inbox()))
+    await wait_until(lambda: len(dispatcher.core.workers.workers) == 2)
+    for wid, sub in zip(("w1", "w2"), subs, strict=True):
+        pull = PullRequest(worker_id=wid, pool="p", max_items=8, free_slots=4)
+        dispatcher._pulls.append(WaitingPull(pull, sub.subject, mono_ms() + 5_000))
+    dispatcher._wake.set()
+    got = [decode_work_batch((await sub.next_msg(timeout=5)).data).items for sub in subs]
+    assert [len(items) for items in got] == [2, 1]
+    assert sorted(i.request.request_id for items in got for i in items) == sorted(
+        s.request_id for s in streams)
 
 
 @pytest.mark.parametrize(

@@ -266,6 +266,13 @@ def test_kv_quota_and_free_kv_budget():
         s2.submit(req("b", prompt=20, out=10), 0)
     assert len(s2.select(10, 1, free_kv_tokens=70)) == 2
     assert s2.num_queued == 1
+    # The first pick goes whatever the budget (a lone request must make progress)...
+    assert len(s2.select(10, 1, free_kv_tokens=10)) == 1
+    # ...except for a pull already served in this pass (`must_fit`): what is left of
+    # its budget binds every pick, and the request stays queued, first in line.
+    s2.submit(req("b", prompt=20, out=10, rid="b-last"), 0)
+    assert s2.select(10, 1, free_kv_tokens=29, must_fit=True) == []
+    assert ids(s2.select(10, 1, free_kv_tokens=30, must_fit=True)) == ["b-last"]
 
 
 @pytest.mark.parametrize("policy", ["drr", "vtc"])

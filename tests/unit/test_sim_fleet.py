@@ -12,9 +12,12 @@ from collections import defaultdict
 
 import pytest
 
+from dispatcher.scheduler.spread import NOTHING_ELIGIBLE
+from dispatcher.scheduler.types import QueuedRequest
 from fairlane.poolconfig import PreemptionConfig, SchedulerConfig, TenantConfig
 from fleetsim.fleet import Fleet, FleetSettings
 from fleetsim.records import Arrival, TenantTable
+from fleetsim.state import Pull
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -150,25 +153,16 @@ def test_runs_cut_mid_run_change_nothing():
 
 class AskEveryPull(Fleet):
     """The dispatcher's loop as it is: every waiting pull gets a select, even after one
-    found nothing (`Fleet._serve_pulls` stops there)."""
+    found nothing (`Fleet._take` stops the pass there)."""
 
     empty = 0
 
-    def _serve_pulls(self) -> None:
-        now = self.now_ms
-        self._maybe_preempt()
-        for pulls in (self._pulls_free, self._pulls_prefetch):
-            for key in list(pulls):
-                if not self.scheduler.num_queued:
-                    break
-                w, max_items, free_kv, _, _ = pulls[key]
-                items = self.core.select(w.worker_id, max_items, now, free_kv or None)
-                if items:
-                    del pulls[key]
-                    self._at(now + self.s.network_ms, self._on_batch, (w, items))
-                else:
-                    self.empty += 1
-        self._maybe_preempt()
+    def _take(self, p, n):
+        got = super()._take(p, n)
+        if got == NOTHING_ELIGIBLE:
+            self.empty += 1
+            return 0
+        return got
 
 
 @pytest.mark.parametrize("policy", ["drr", "vtc", "fifo"])
@@ -227,3 +221,23 @@ def test_drr_weights_become_token_shares():
     shares = [sink.window_tokens[i] / total for i in range(3)]
     for got, want in zip(shares, (1 / 7, 2 / 7, 4 / 7), strict=True):
         assert got == pytest.approx(want, abs=0.02)
+
+
+def test_queued_work_goes_to_free_slots_first_spread_over_the_pulls():
+    """Four requests queued at once, two pulls waiting (as `dispatcher.service`): A has
+    1 slot free and room for 5, B 3 free and room for 7. The free slots are filled
+    first, evenly (A 1, B 3), not A's whole room (1 starting, 3 waiting in A's engine
+    queue while B's slots stay empty)."""
+    t = table("a")
+    fleet = Fleet(config(t), t, Collect(), FleetSettings(num_workers=2, max_num_seqs=8))
+    a, b = fleet.workers
+    for key, (w, max_items, free_slots) in enumerate([(a, 5, 1), (b, 7, 3)]):
+        fleet.core.on_pull(w.worker_id, 0, 0.0)
+        fleet._pulls_free[key] = Pull(key, w, max_items, 0, free_slots, 1_000.0)
+    for i in range(4):
+        fleet.core.submit(QueuedRequest(f"r{i}", "a", "standard", 32, 64, 64), 0.0)
+    fleet._serve_pulls()
+    batches = {arg[0].worker_id: len(arg[1]) for _, _, fn, arg in fleet._events
+               if getattr(fn, "__name__", "") == "_on_batch"}
+    assert batches == {a.worker_id: 1, b.worker_id: 3}
+    assert not fleet._pulls_free and fleet.scheduler.num_queued == 0

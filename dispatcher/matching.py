@@ -1,0 +1,144 @@
+"""The dispatcher's pulls: matching queued work to workers with room.
+
+Workers pull when they have room; a pull waits here until work arrives or it
+expires. Each serving pass asks the pure core for preemptions, then hands the queued
+work out over the waiting pulls (`scheduler.spread`: free slots first, evenly). Split
+from `dispatcher.service` (`Dispatcher` mixes it in) for size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from nats.aio.msg import Msg
+
+from dispatcher.held import work_item
+from dispatcher.scheduler.spread import NOTHING_ELIGIBLE, spread
+from fairlane.protocol import ProtocolError, PullRequest, WorkBatch, WorkItem, decode_pull, encode
+from fairlane.runtime import mono_ms, now_ms
+
+if TYPE_CHECKING:
+    from dispatcher.leader import LeaderLease
+    from dispatcher.scheduler.core import Scheduler
+    from dispatcher.scheduler.pool import PoolCore
+
+log = structlog.get_logger("dispatcher.service")
+
+
+@dataclass(slots=True)
+class WaitingPull:
+    """A worker's pull held until work arrives or it expires."""
+
+    pull: PullRequest
+    reply: str
+    expires_ms: float
+    # Filled while a pass serves it (`_serve_pulls`): the items and their KV need.
+    items: list[WorkItem] = field(default_factory=list)
+    kv_given: int = 0
+
+    @property
+    def free_slots(self) -> int:  # items that start at once (an older worker: all)
+        return self.pull.max_items if self.pull.free_slots is None else self.pull.free_slots
+
+    def room_now(self) -> int:  # free slots not yet given work in this pass
+        return min(self.free_slots, self.pull.max_items) - len(self.items)
+
+    def room(self) -> int:
+        return self.pull.max_items - len(self.items)
+
+
+class Matching:
+    """Mixin of `dispatcher.service.Dispatcher`: the pulls and the serving passes."""
+
+    core: PoolCore
+    scheduler: Scheduler
+    lease: LeaderLease | None
+    epoch: int
+    nc: Any
+    _pulls: deque[WaitingPull]
+    _wake: asyncio.Event
+
+    async def _on_pull(self, msg: Msg) -> None:
+        try:
+            pull = decode_pull(msg.data)
+        except ProtocolError as exc:
+            log.warning("bad_pull", error=exc.message)
+            if msg.reply:
+                await self.nc.publish(msg.reply, encode(WorkBatch()))
+            return
+        now = mono_ms()
+        await self._apply(self.core.on_pull(pull.worker_id, pull.free_kv_tokens, now,
+                                            pull.incarnation))
+        self._pulls.append(WaitingPull(pull, msg.reply, now + pull.wait_ms))
+        self._wake.set()
+
+    async def _match_loop(self) -> None:
+        """Serve waiting pulls in arrival order whenever work or a pull arrives."""
+        while True:
+            timeout = None
+            if self._pulls:
+                timeout = max(0.0, min(p.expires_ms for p in self._pulls) - mono_ms()) / 1000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            await self._serve_pulls()
+
+    async def _serve_pulls(self) -> None:
+        now = mono_ms()
+        if self.lease is not None and not self.lease.leading():
+            return  # fenced: dispatch nothing more; unanswered pulls time out
+        # Before prefetch takes it: a waiting request of a tenant below its share would
+        # sit in an engine's queue until a slot turns over.
+        await self._maybe_preempt(now)
+        if self.scheduler.num_queued:
+            # Free slots first, spread evenly (`scheduler.spread`): the policy's picks
+            # start at once, and not two on one engine while another has a slot free;
+            # then the prefetch room, spread the same way.
+            pulls = list(self._pulls)
+            free = [p for p in pulls if p.free_slots > 0]
+            take = partial(self._take, now=now)
+            if spread(free, self._num_queued, take, WaitingPull.room_now):
+                spread(free + [p for p in pulls if p.free_slots <= 0], self._num_queued,
+                       take, WaitingPull.room)
+        pending: deque[WaitingPull] = deque()
+        for p in self._pulls:
+            # Not declared lost since (nor replaced by a newer incarnation).
+            alive = self.core.is_alive(p.pull.worker_id, p.pull.incarnation)
+            if p.items or now >= p.expires_ms or not alive:
+                await self.nc.publish(p.reply, encode(WorkBatch(items=p.items, epoch=self.epoch)))
+            else:
+                pending.append(p)
+        self._pulls = pending
+        await self._maybe_preempt(now)
+
+    def _num_queued(self) -> int:
+        return self.scheduler.num_queued
+
+    def _take(self, p: WaitingPull, n: int, now: float) -> int:
+        """Up to `n` more items for pull `p` (`spread`'s take)."""
+        pull = p.pull
+        free_kv = pull.free_kv_tokens - p.kv_given if pull.free_kv_tokens > 0 else None
+        got = self.core.select(pull.worker_id, n, now, free_kv, incarnation=pull.incarnation,
+                               must_fit=bool(p.items))
+        if not got:
+            alive = self.core.is_alive(pull.worker_id, pull.incarnation)
+            return NOTHING_ELIGIBLE if alive and not p.items else 0
+        epoch = now_ms()
+        for d in got:
+            p.items.append(work_item(d, now, epoch))
+            p.kv_given += d.request.kv_tokens
+        return len(got)
+
+    async def _maybe_preempt(self, now: float) -> None:
+        """Work waits and no pull has a slot free (prefetch room does not count): maybe
+        a tenant below its fair share should not wait for a slot to turn over
+        (DESIGN.md section 5b). The core decides, and rechecks cheaply."""
+        if (self.scheduler.num_queued and not any(p.free_slots for p in self._pulls)
+                and (self.lease is None or self.lease.leading())):
+            await self._apply(self.core.preemptions(now, 0))
