@@ -106,15 +106,17 @@ class Matching:
             if spread(free, self._num_queued, take, WaitingPull.room_now):
                 spread(free + [p for p in pulls if p.free_slots <= 0], self._num_queued,
                        take, WaitingPull.room)
+        # Which pulls are answered is settled before the first await: a pull arriving
+        # while the answers go out joins the waiting ones for the next pass.
+        answer: list[WaitingPull] = []
         pending: deque[WaitingPull] = deque()
         for p in self._pulls:
             # Not declared lost since (nor replaced by a newer incarnation).
             alive = self.core.is_alive(p.pull.worker_id, p.pull.incarnation)
-            if p.items or now >= p.expires_ms or not alive:
-                await self.nc.publish(p.reply, encode(WorkBatch(items=p.items, epoch=self.epoch)))
-            else:
-                pending.append(p)
+            (answer if p.items or now >= p.expires_ms or not alive else pending).append(p)
         self._pulls = pending
+        for p in answer:
+            await self.nc.publish(p.reply, encode(WorkBatch(items=p.items, epoch=self.epoch)))
         await self._maybe_preempt(now)
 
     def _num_queued(self) -> int:
