@@ -204,8 +204,7 @@ class Fleet:
             # depend on the (live) pull, and a select that finds nothing leaves nothing
             # behind that would make the next one find something (DRR/VTC park the
             # blocked tenants, fifo puts back what it scanned), so every other pull
-            # would get nothing too. The dispatcher asks each of them (O(pulls) per
-            # pass); `spread` stops here.
+            # would get nothing too: `spread` stops there (in the dispatcher too).
             return NOTHING_ELIGIBLE if not p.items and self.core.is_alive(
                 p.worker.worker_id) else 0
         if not p.items:

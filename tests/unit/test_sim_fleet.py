@@ -152,8 +152,8 @@ def test_runs_cut_mid_run_change_nothing():
 
 
 class AskEveryPull(Fleet):
-    """The dispatcher's loop as it is: every waiting pull gets a select, even after one
-    found nothing (`Fleet._take` stops the pass there)."""
+    """The shortcut's reference: every waiting pull gets a select, even after one found
+    nothing (`spread` stops the pass there, in the simulator and the dispatcher)."""
 
     empty = 0
 
