@@ -95,18 +95,25 @@ class Llama:
 
     @staticmethod
     def _rms(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        if hasattr(F, "rms_norm"):  # one kernel where torch has it
+            return F.rms_norm(x, (x.shape[-1],), weight=g, eps=1e-5)
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * g
 
-    def _rotary(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # x: [b, t, heads, d]; pos: [t] positions.
+    def _cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables for positions `pos`, once per forward (not per layer: each
+        small kernel costs microseconds, and a step runs ~20 per layer)."""
         d = self.s.head_dim
-        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device).float() / d))
-        ang = pos.float()[:, None] * inv[None, :]  # [t, d/2]
-        cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
-        x1, x2 = x.float()[..., ::2], x.float()[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-        return out.flatten(-2).to(x.dtype)
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=pos.device).float() / d))
+        ang = pos.float()[:, None] * inv[None, :]
+        emb = torch.cat((ang, ang), dim=-1)[None, :, None, :]  # [1, t, 1, d]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
 
     def caches(self, n: int, c: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.s
@@ -119,12 +126,12 @@ class Llama:
         there; attention over positions 0..start+t-1 (causal within the t)."""
         s = self.s
         b, t = tokens.shape
-        pos = torch.arange(start, start + t, device=tokens.device)
+        cos, sin = self._cos_sin(torch.arange(start, start + t, device=tokens.device))
         x = self.embed[tokens]  # [b, t, hidden]
         for layer, (kc, vc) in zip(self.layers, caches, strict=True):
-            h = self._rms(x, layer["n1"]) @ layer["qkv"]
-            q, k, v = h.view(b, t, 3, s.heads, s.head_dim).unbind(2)
-            q, k = self._rotary(q, pos), self._rotary(k, pos)
+            h = (self._rms(x, layer["n1"]) @ layer["qkv"]).view(b, t, 3 * s.heads, s.head_dim)
+            qk = self._rotary(h[:, :, :2 * s.heads], cos, sin)  # q and k in one go
+            q, k, v = qk[:, :, :s.heads], qk[:, :, s.heads:], h[:, :, 2 * s.heads:]
             kc[:, :, start:start + t] = k.transpose(1, 2)
             vc[:, :, start:start + t] = v.transpose(1, 2)
             end = start + t
