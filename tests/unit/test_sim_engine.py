@@ -92,6 +92,17 @@ def test_default_step_model_loads_and_is_marked_not_measured():
     )
 
 
+@pytest.mark.parametrize("name", ["h100_llama7b_torch", "h200_llama7b_torch"])
+def test_gpu_measured_step_models_load_and_say_where_they_come_from(name):
+    """bench/calibrate_gpu.py's output, shipped: measured, on the GPU its name says,
+    and slower as the batch or the KV in use grows."""
+    cm = load_step_model(name)
+    assert cm.measured is True and "not vLLM" in cm.measured_on
+    assert name.split("_")[0].upper() in cm.measured_on
+    assert cm.step_ms(64, 64 * 1024) > cm.step_ms(1, 128) > 0
+    assert cm.prefill_tokens_per_s > 10_000 and cm.kv_tokens_total > 100_000
+
+
 def test_step_model_roundtrip_by_path_and_errors(tmp_path):
     cm = model(name="calibrated", measured=True, measured_on="cpu", command="calibrate")
     path = tmp_path / "calibrated.json"
