@@ -17,7 +17,7 @@ statistic (`AfterWarmup`): the fleet starts empty, so they would see no queue an
 the percentiles down. The recorder has no warm-up of its own, hence the wrapper.
 
 Writes `capacity_plan.md`, `.json` ({"meta", "data"}, bench.harness.write_results) and
-`.png` into `--out-dir` (default bench/results). The answer, per preemption setting:
+`.png` into `--out-dir` (default bench/results; `--stem` names them otherwise). The answer, per preemption setting:
 the smallest worker count whose paid-tier TTFT p99 meets the target in every seed
 (and, looser, by the median over seeds), counting a count only if every larger swept
 count meets it too (`smallest_meeting`). BENCHMARKS' table: bench/render_capacity.py.
@@ -383,6 +383,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                     help="runs at a time, one process each")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--stem", default="capacity_plan",
+                    help="results file names: STEM.md, STEM.json, STEM.png")
     ap.add_argument("--quick", action="store_true",
                     help="~1-minute smoke: 3 worker counts, 2 seeds, 60 simulated s")
     a = ap.parse_args(argv)
@@ -425,10 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "step_model": a.step_model, "jobs": a.jobs,
             "wall_s": round(time.perf_counter() - t0, 1),
             "answer": answers(runs, paid, a.target_s), "runs": runs}
-    png = a.out_dir / "capacity_plan.png"
+    png = a.out_dir / f"{a.stem}.png"
     a.out_dir.mkdir(parents=True, exist_ok=True)
     data["plot"] = str(plot(data, png).name)
-    md, js = write_results(a.out_dir / "capacity_plan.md", TITLE, report(data), data, meta,
+    md, js = write_results(a.out_dir / f"{a.stem}.md", TITLE, report(data), data, meta,
                            how_to_read(a, paid, free))
     print("\n".join(answer_lines(data["answer"], paid, a.target_s, a.worker_counts)))
     print(f"wrote {md}, {js}, {png}", file=sys.stderr)
