@@ -86,7 +86,8 @@ def capacity_table(res: Results, args: list[str], _old: str) -> str:
     header = ["workers", "preemption", f"{paid} TTFT p50 s", f"{paid} TTFT p99 s",
               f"{free} TTFT p99 s", "output tok/s", "preemptions/s",
               f"{paid} p99 ≤ {target_s:g} s"]
-    setup = (f"`{data['workload']}`, {data['slots']} slots per worker, "
+    setup = (f"`{data['workload']}`, {data['slots']} slots per worker, step model "
+             f"`{data.get('step_model', 'default')}`, "
              f"{data['duration_s']:g} simulated s per run (requests arriving in the first "
              f"{data['warmup_s']:g} s left out), median (min–max) over {data['seeds']} seeds.")
     return "\n\n".join([sources_line(res, [stem]), setup, table(header, "llrrrrrl", rows),
@@ -98,8 +99,8 @@ def _at(data: Mapping[str, Any], workers: int, pre: str, tier: str) -> str:
     return fmt_sum(tail_s(r["tiers"][tier]) for r in rs)
 
 
-def summary_capacity(res: Results) -> list[str]:
-    data = _data(res, STEM)
+def summary_capacity(res: Results, stem: str = STEM) -> list[str]:
+    data = _data(res, stem)
     paid, free, target_s = data["paid_tier"], data["free_tier"], data["target_s"]
     ans = answers(data["runs"], paid, target_s)
     swept = sorted({r["workers"] for r in data["runs"]})
@@ -112,12 +113,17 @@ def summary_capacity(res: Results) -> list[str]:
                      f"{_at(data, w, pre, free)} s there)")
         parts.append(part)
     found = all(a["every_seed"] is not None for a in ans.values())
+    model = "" if data.get("step_model", "default") == "default" else \
+        f", step model `{data['step_model']}`"
     return [f"capacity plan (simulated): workers of {data['slots']} slots that keep "
-            f"{paid} TTFT p99 ≤ {target_s:g} s for `{data['workload']}`, {data['seeds']} seeds",
+            f"{paid} TTFT p99 ≤ {target_s:g} s for `{data['workload']}`, {data['seeds']} "
+            f"seeds{model}",
             "; ".join(parts),
             f"p99 ≤ {target_s:g} s in every seed" + ("" if found else " — **not met in the sweep**"),
-            row_source(res, STEM)]
+            row_source(res, stem)]
 
 
 KINDS = {"capacity-plan": capacity_table}
-SUMMARY_ROWS = {"capacity-plan": summary_capacity}
+STEM_H100 = "capacity_plan_h100"  # the same sweep on the H100-measured step model
+SUMMARY_ROWS = {"capacity-plan": summary_capacity,
+                "capacity-plan-h100": lambda res: summary_capacity(res, STEM_H100)}
