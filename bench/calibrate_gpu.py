@@ -211,6 +211,11 @@ def measure_prefill(model: Llama, b: int, p: int, reps: int, cuda: bool) -> list
     return samples
 
 
+def _summary(ms: list[float]) -> dict:
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
+            "samples_ms": [round(x, 4) for x in ms]}
+
+
 def lstsq(rows: list[list[float]], ys: list[float], names: list[str]) -> dict[str, float]:
     """Least squares with non-negative coefficients: a negative one is dropped (0) and
     the rest refitted."""
@@ -252,15 +257,13 @@ def main() -> int:
     for n, c in decode_points:
         ms = measure_decode(model, n, c, reps, cuda)
         decode.append({"num_running": n, "context_tokens": c, "kv_tokens": n * c,
-                       "median_ms": statistics.median(ms), "min_ms": min(ms),
-                       "max_ms": max(ms), "samples_ms": [round(x, 4) for x in ms]})
+                       **_summary(ms)})
         print(f"decode n={n} c={c}: {decode[-1]['median_ms']:.3f} ms", file=sys.stderr)
     prefill = []
     for b, p in prefill_points:
         ms = measure_prefill(model, b, p, reps, cuda)
         prefill.append({"num_prompts": b, "prompt_tokens": p, "tokens": b * p,
-                        "median_ms": statistics.median(ms), "min_ms": min(ms),
-                        "max_ms": max(ms), "samples_ms": [round(x, 4) for x in ms]})
+                        **_summary(ms)})
         print(f"prefill {b}x{p}: {prefill[-1]['median_ms']:.3f} ms", file=sys.stderr)
     fit = lstsq([[1.0, d["num_running"], d["kv_tokens"]] for d in decode],
                 [d["median_ms"] for d in decode], ["base", "per_seq", "per_kv_token"])
