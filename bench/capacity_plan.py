@@ -17,8 +17,8 @@ statistic (`AfterWarmup`): the fleet starts empty, so they would see no queue an
 the percentiles down. The recorder has no warm-up of its own, hence the wrapper.
 
 Writes `capacity_plan.md`, `.json` ({"meta", "data"}, bench.harness.write_results) and
-`.png` into `--out-dir` (default bench/results; `--stem` names them otherwise). The answer, per preemption setting:
-the smallest worker count whose paid-tier TTFT p99 meets the target in every seed
+`.png` into `--out-dir` (default bench/results; `--stem` names them otherwise). The
+answer, per preemption setting: the smallest worker count whose paid-tier TTFT p99 meets the target in every seed
 (and, looser, by the median over seeds), counting a count only if every larger swept
 count meets it too (`smallest_meeting`). BENCHMARKS' table: bench/render_capacity.py.
 

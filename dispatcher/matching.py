@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from nats.aio.msg import Msg
 
 from dispatcher.held import work_item
-from dispatcher.scheduler.spread import NOTHING_ELIGIBLE, spread
-from fairlane.protocol import ProtocolError, PullRequest, WorkBatch, WorkItem, decode_pull, encode
+from dispatcher.scheduler.spread import PullShare, spread
+from fairlane.protocol import ProtocolError, PullRequest, WorkBatch, decode_pull, encode
 from fairlane.runtime import mono_ms, now_ms
 
 if TYPE_CHECKING:
@@ -31,26 +30,21 @@ if TYPE_CHECKING:
 log = structlog.get_logger("dispatcher.service")
 
 
-@dataclass(slots=True)
-class WaitingPull:
+@dataclass(eq=False, slots=True, kw_only=True)
+class WaitingPull(PullShare):
     """A worker's pull held until work arrives or it expires."""
 
     pull: PullRequest
     reply: str
     expires_ms: float
-    # Filled while a pass serves it (`_serve_pulls`): the items and their KV need.
-    items: list[WorkItem] = field(default_factory=list)
-    kv_given: int = 0
 
-    @property
-    def free_slots(self) -> int:  # items that start at once (an older worker: all)
-        return self.pull.max_items if self.pull.free_slots is None else self.pull.free_slots
-
-    def room_now(self) -> int:  # free slots not yet given work in this pass
-        return min(self.free_slots, self.pull.max_items) - len(self.items)
-
-    def room(self) -> int:
-        return self.pull.max_items - len(self.items)
+    @classmethod
+    def of(cls, pull: PullRequest, reply: str, expires_ms: float) -> WaitingPull:
+        # free_slots None: a worker that predates the field (all of max_items counts).
+        free = pull.max_items if pull.free_slots is None else pull.free_slots
+        return cls(max_items=pull.max_items, free_slots=free,
+                   free_kv_tokens=pull.free_kv_tokens, pull=pull, reply=reply,
+                   expires_ms=expires_ms)
 
 
 class Matching:
@@ -75,7 +69,7 @@ class Matching:
         now = mono_ms()
         await self._apply(self.core.on_pull(pull.worker_id, pull.free_kv_tokens, now,
                                             pull.incarnation))
-        self._pulls.append(WaitingPull(pull, msg.reply, now + pull.wait_ms))
+        self._pulls.append(WaitingPull.of(pull, msg.reply, now + pull.wait_ms))
         self._wake.set()
 
     async def _match_loop(self) -> None:
@@ -102,7 +96,10 @@ class Matching:
             # then the prefetch room, spread the same way.
             pulls = list(self._pulls)
             free = [p for p in pulls if p.free_slots > 0]
-            take = partial(self._take, now=now)
+
+            def take(p: WaitingPull, n: int) -> int:
+                return p.take(self.core, p.pull.worker_id, n, now, p.pull.incarnation)
+
             if spread(free, self._num_queued, take, WaitingPull.room_now):
                 spread(free + [p for p in pulls if p.free_slots <= 0], self._num_queued,
                        take, WaitingPull.room)
@@ -113,29 +110,16 @@ class Matching:
         for p in self._pulls:
             # Not declared lost since (nor replaced by a newer incarnation).
             alive = self.core.is_alive(p.pull.worker_id, p.pull.incarnation)
-            (answer if p.items or now >= p.expires_ms or not alive else pending).append(p)
+            (answer if p.given or now >= p.expires_ms or not alive else pending).append(p)
         self._pulls = pending
+        epoch_ms = now_ms()
         for p in answer:
-            await self.nc.publish(p.reply, encode(WorkBatch(items=p.items, epoch=self.epoch)))
+            items = [work_item(d, now, epoch_ms) for d in p.given]
+            await self.nc.publish(p.reply, encode(WorkBatch(items=items, epoch=self.epoch)))
         await self._maybe_preempt(now)
 
     def _num_queued(self) -> int:
         return self.scheduler.num_queued
-
-    def _take(self, p: WaitingPull, n: int, now: float) -> int:
-        """Up to `n` more items for pull `p` (`spread`'s take)."""
-        pull = p.pull
-        free_kv = pull.free_kv_tokens - p.kv_given if pull.free_kv_tokens > 0 else None
-        got = self.core.select(pull.worker_id, n, now, free_kv, incarnation=pull.incarnation,
-                               must_fit=bool(p.items))
-        if not got:
-            alive = self.core.is_alive(pull.worker_id, pull.incarnation)
-            return NOTHING_ELIGIBLE if alive and not p.items else 0
-        epoch = now_ms()
-        for d in got:
-            p.items.append(work_item(d, now, epoch))
-            p.kv_given += d.request.kv_tokens
-        return len(got)
 
     async def _maybe_preempt(self, now: float) -> None:
         """Work waits and no pull has a slot free (prefetch room does not count): maybe

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
-from dispatcher.scheduler.spread import NOTHING_ELIGIBLE, spread
+from dispatcher.scheduler.spread import spread
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
@@ -186,7 +186,7 @@ class Fleet:
             for p in served:
                 if free.pop(p.key, None) is None:
                     del prefetch[p.key]
-                at(t, self._on_batch, (p.worker, p.items))
+                at(t, self._on_batch, (p.worker, p.given))
             served.clear()
         self._maybe_preempt()
 
@@ -194,25 +194,18 @@ class Fleet:
         return self.scheduler.num_queued
 
     def _take(self, p: Pull, n: int) -> int:
-        """Up to `n` more items for pull `p` (`spread`'s take)."""
-        free_kv = p.free_kv_tokens - p.kv_given if p.free_kv_tokens else None
-        got = self.core.select(p.worker.worker_id, n, self.now_ms, free_kv,
-                               must_fit=bool(p.items))
-        if not got:
-            # Nothing for a live pull that has nothing yet: what is queued may not go
-            # now (quota-blocked tenants). Whether select finds something does not
-            # depend on the (live) pull, and a select that finds nothing leaves nothing
-            # behind that would make the next one find something (DRR/VTC park the
-            # blocked tenants, fifo puts back what it scanned), so every other pull
-            # would get nothing too: `spread` stops there (in the dispatcher too).
-            return NOTHING_ELIGIBLE if not p.items and self.core.is_alive(
-                p.worker.worker_id) else 0
-        if not p.items:
+        """`spread`'s take; a pull's first work makes it one to answer."""
+        first = not p.given
+        got = p.take(self.core, p.worker.worker_id, n, self.now_ms)
+        # NOTHING_ELIGIBLE: what is queued may not go now (quota-blocked tenants).
+        # Whether select finds something does not depend on the (live) pull, and a
+        # select that finds nothing leaves nothing behind that would make the next one
+        # find something (DRR/VTC park the blocked tenants, fifo puts back what it
+        # scanned), so every other pull would get nothing too: `spread` stops there
+        # (in the dispatcher too).
+        if got > 0 and first:
             self._served.append(p)
-        p.items += got
-        for d in got:
-            p.kv_given += d.request.kv_tokens
-        return len(got)
+        return got
 
     def _expire_pull(self, key: int) -> None:
         p = self._pulls_free.pop(key, None) or self._pulls_prefetch.pop(key, None)
@@ -292,7 +285,8 @@ class Fleet:
             return  # asks again when a slot frees (a finish)
         w.pulling = True
         t = self.now_ms + self.s.network_ms
-        self._at(t, self._on_pull, Pull(0, w, room, free_kv, free_slots, t + self.s.pull_wait_ms))
+        self._at(t, self._on_pull, Pull(max_items=room, free_slots=free_slots, free_kv_tokens=free_kv,
+                                        worker=w, expires_ms=t + self.s.pull_wait_ms))
 
     def _on_batch(self, arg: tuple[Worker, list[Dispatch]]) -> None:
         w, items = arg

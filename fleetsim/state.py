@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dispatcher.scheduler.types import Dispatch
+from dispatcher.scheduler.spread import PullShare
 from fleetsim.records import Arrival
 from gpu_worker.sim.batch import BatchCore, Seq
 
@@ -52,25 +52,13 @@ class Req:
     tok_out: int = 0
 
 
-@dataclass(eq=False, slots=True)
-class Pull:
-    """A worker's pull waiting at the dispatcher (`fairlane.protocol.PullRequest`), and
-    what a serving pass gives it (`dispatcher.scheduler.spread`)."""
+@dataclass(eq=False, slots=True, kw_only=True)
+class Pull(PullShare):
+    """A worker's pull waiting at the dispatcher (`fairlane.protocol.PullRequest`)."""
 
-    key: int
+    key: int = 0
     worker: Worker
-    max_items: int
-    free_kv_tokens: int  # 0: no KV figure (unbounded)
-    free_slots: int
     expires_ms: float
-    items: list[Dispatch] = field(default_factory=list)
-    kv_given: int = 0
-
-    def room_now(self) -> int:  # free slots not yet given work in this pass
-        return min(self.free_slots, self.max_items) - len(self.items)
-
-    def room(self) -> int:
-        return self.max_items - len(self.items)
 
 
 @dataclass(slots=True)

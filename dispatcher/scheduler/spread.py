@@ -14,20 +14,57 @@ times in a minute, and those pairs were nearly all of the TTFT tail: the `batch`
 class's p99 was 57 ms, 41 ms without them.
 
 The policy's order of picks is untouched: only which pull each pick goes to. The
-shells (`dispatcher.service`, `fleetsim.fleet`) call `spread` once per stage with
-their own `take`, which calls `PoolCore.select` and records the items.
+shells (`dispatcher.matching`, `fleetsim.fleet`) keep each waiting pull as a
+`PullShare` (their own pull records extend it) and call `spread` once per stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from dispatcher.scheduler.pool import PoolCore
+    from dispatcher.scheduler.types import Dispatch
 
 P = TypeVar("P")
 
 # take(pull, n) -> how many it got (<= n), or NOTHING_ELIGIBLE: a pull with no work yet
 # got none, so no pull will (what is queued cannot go now: quota-blocked tenants).
 NOTHING_ELIGIBLE = -1
+
+
+@dataclass(eq=False, slots=True)
+class PullShare:
+    """A waiting pull's room (`fairlane.protocol.PullRequest`) and what the serving
+    pass has given it so far."""
+
+    max_items: int
+    free_slots: int  # of max_items, how many would start at once
+    free_kv_tokens: int  # 0: the worker gave no KV figure (unbounded)
+    given: list[Dispatch] = field(default_factory=list)
+    kv_given: int = 0
+
+    def room_now(self) -> int:  # free slots not yet given work in this pass
+        return min(self.free_slots, self.max_items) - len(self.given)
+
+    def room(self) -> int:
+        return self.max_items - len(self.given)
+
+    def take(self, core: PoolCore, worker_id: str, n: int, now_ms: float,
+             incarnation: str = "") -> int:
+        """Up to `n` more picks for this pull (`spread`'s take): within what is left of
+        its KV budget, even the first if it already has some (`must_fit`)."""
+        kv = self.free_kv_tokens - self.kv_given if self.free_kv_tokens > 0 else None
+        got = core.select(worker_id, n, now_ms, kv, incarnation, must_fit=bool(self.given))
+        if not got:
+            return NOTHING_ELIGIBLE if not self.given and core.is_alive(
+                worker_id, incarnation) else 0
+        self.given += got
+        for d in got:
+            self.kv_given += d.request.kv_tokens
+        return len(got)
 
 
 def water_fill(num_items: int, rooms: list[int]) -> list[int]:

@@ -160,7 +160,7 @@ async def test_queued_work_is_spread_over_the_waiting_pulls(env, nc):
     await wait_until(lambda: len(dispatcher.core.workers.workers) == 2)
     for wid, sub in zip(("w1", "w2"), subs, strict=True):
         pull = PullRequest(worker_id=wid, pool="p", max_items=8, free_slots=4)
-        dispatcher._pulls.append(WaitingPull(pull, sub.subject, mono_ms() + 5_000))
+        dispatcher._pulls.append(WaitingPull.of(pull, sub.subject, mono_ms() + 5_000))
     dispatcher._wake.set()
     got = [decode_work_batch((await sub.next_msg(timeout=5)).data).items for sub in subs]
     assert [len(items) for items in got] == [2, 1]

@@ -233,7 +233,8 @@ def test_queued_work_goes_to_free_slots_first_spread_over_the_pulls():
     a, b = fleet.workers
     for key, (w, max_items, free_slots) in enumerate([(a, 5, 1), (b, 7, 3)]):
         fleet.core.on_pull(w.worker_id, 0, 0.0)
-        fleet._pulls_free[key] = Pull(key, w, max_items, 0, free_slots, 1_000.0)
+        fleet._pulls_free[key] = Pull(max_items=max_items, free_slots=free_slots,
+                                      free_kv_tokens=0, key=key, worker=w, expires_ms=1_000.0)
     for i in range(4):
         fleet.core.submit(QueuedRequest(f"r{i}", "a", "standard", 32, 64, 64), 0.0)
     fleet._serve_pulls()
