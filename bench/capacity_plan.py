@@ -18,9 +18,9 @@ the percentiles down. The recorder has no warm-up of its own, hence the wrapper.
 
 Writes `capacity_plan.md`, `.json` ({"meta", "data"}, bench.harness.write_results) and
 `.png` into `--out-dir` (default bench/results; `--stem` names them otherwise). The
-answer, per preemption setting: the smallest worker count whose paid-tier TTFT p99 meets the target in every seed
-(and, looser, by the median over seeds), counting a count only if every larger swept
-count meets it too (`smallest_meeting`). BENCHMARKS' table: bench/render_capacity.py.
+answer, per preemption setting: the smallest worker count whose paid-tier TTFT p99
+meets the target in every seed (and, looser, by the median over seeds), counting a
+count only if every larger swept count meets it too (`smallest_meeting`). BENCHMARKS' table: bench/render_capacity.py.
 
 Cost: the default sweep (7 counts x 2 x 5 seeds = 70 runs of 240 simulated s) takes
 ~9 minutes with `--jobs 2` on a 2-core machine. Underprovisioned fleets with
