@@ -372,7 +372,7 @@ class Recorder:
         span_s = max(self.duration_s, self.end_s)
 
         def counters(mask: np.ndarray) -> dict[str, Any]:
-            out = {k: int(v[mask].sum()) for k, v in self.t_count.items()}
+            out: dict[str, Any] = {k: int(v[mask].sum()) for k, v in self.t_count.items()}
             out["tokens_generated"] = float(self.t_tokens[mask].sum())
             out["share"] = out["tokens_generated"] / total_tokens if total_tokens else 0.0
             out["first_tokens"] = int(self.t_n["ttft_s"][mask].sum())

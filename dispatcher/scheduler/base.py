@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from dispatcher.scheduler.cost import CostModel
 from dispatcher.scheduler.tenant_queue import TenantQueue
@@ -117,7 +117,7 @@ class SlotShares:
 
 
 class Policy(Protocol):
-    name: str
+    name: ClassVar[str]
     cost_model: CostModel
 
     def push(self, req: QueuedRequest, now_ms: float) -> None: ...

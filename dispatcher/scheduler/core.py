@@ -253,7 +253,8 @@ class Scheduler:
             and load.kv_tokens_in_flight + kv_tokens > tcfg.max_kv_tokens
         )
 
-    within_quota = _within_quota
+    def within_quota(self, tenant: str, kv_tokens: int) -> bool:
+        return self._within_quota(tenant, kv_tokens)
 
     def _pick(self, now_ms: float) -> QueuedRequest | None:
         # Try tiers in the selector's order; a tier whose tenants are all quota-blocked

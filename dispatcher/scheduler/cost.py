@@ -8,7 +8,7 @@ estimate and trues it up by the difference. Chosen per pool by `make_cost_model`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from dispatcher.scheduler.types import ActualUsage, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
@@ -16,7 +16,7 @@ from fairlane.registry import choose
 
 
 class CostModel(Protocol):
-    name: str
+    name: ClassVar[str]
 
     def estimate(self, req: QueuedRequest) -> float: ...
     def actual(self, req: QueuedRequest, usage: ActualUsage) -> float: ...
@@ -25,7 +25,7 @@ class CostModel(Protocol):
 class RequestCost:
     """Every request costs 1: streaming endpoints, where a turn is about one request."""
 
-    name = "requests"
+    name: ClassVar[str] = "requests"
 
     def __init__(self, config: SchedulerConfig) -> None:
         pass
@@ -40,7 +40,7 @@ class RequestCost:
 class TokenCost:
     """prompt × w_p + output × w_q (VTC's weighting: output tokens cost more)."""
 
-    name = "tokens"
+    name: ClassVar[str] = "tokens"
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.w_prompt = config.prompt_token_weight
@@ -65,7 +65,7 @@ class KvSecondsCost:
     otherwise the same formula on the actual token counts.
     """
 
-    name = "kv_seconds"
+    name: ClassVar[str] = "kv_seconds"
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.step_s = config.kv_step_ms / 1000.0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
+from typing import ClassVar
 
 from dispatcher.scheduler.base import (
     Eligible,
@@ -50,7 +51,7 @@ _EPS = 1e-9
 
 
 class DrrPolicy:
-    name = "drr"
+    name: ClassVar[str] = "drr"
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None) -> None:
         self.config = config
@@ -213,16 +214,14 @@ class DrrPolicy:
         return len(self._rings.get(tier, ()))
 
 
-_UNSET = object()
-
-
 class _TurnGatedShares(SlotShares):
     def __init__(self, standings: dict[str, Standing], book: TenantBook, tier: str,
                  ring: deque[TenantState], quantum: float, model: CostModel) -> None:
         super().__init__(standings)
         self._book, self._tier, self._ring = book, tier, ring
         self._quantum, self._model = quantum, model
-        self._first: TenantState | None | object = _UNSET
+        self._first: TenantState | None = None
+        self._first_known = False  # `_first` is computed once per view
 
     def owed(self, waiter: Standing) -> bool:
         st = self._book.states.get((self._tier, waiter.tenant))
@@ -247,8 +246,8 @@ class _TurnGatedShares(SlotShares):
     def _first_fit(self) -> TenantState | None:
         """The first short tenant in ring order whose head fits its turn's credit (one
         ring walk per view: a decision asks for every waiter)."""
-        if self._first is _UNSET:
-            self._first = None
+        if not self._first_known:
+            self._first_known = True
             for st in self._ring:
                 s = self.standings.get(st.tenant)
                 head = st.queue.peek()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from typing import ClassVar
 
 from dispatcher.scheduler.base import Eligible, FairShares, Policy, estimate_cost
 from dispatcher.scheduler.cost import CostModel, make_cost_model
@@ -32,7 +33,7 @@ class FifoPolicy:
     Removal is lazy: an entry is live while `_live[request_id]` is its token.
     """
 
-    name = "fifo"
+    name: ClassVar[str] = "fifo"
     max_scan = 4096
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None) -> None:
@@ -104,7 +105,8 @@ class FifoPolicy:
         return None  # arrival order is all FIFO promises: it never preempts
 
 
-_POLICIES: dict[str, Callable[[SchedulerConfig], Policy]] = {
+# Each takes (config) or (config, cost_model).
+_POLICIES: dict[str, Callable[..., Policy]] = {
     FifoPolicy.name: FifoPolicy,
     DrrPolicy.name: DrrPolicy,
     VtcPolicy.name: VtcPolicy,

@@ -299,7 +299,7 @@ class PoolCore:
             self.observer.started(started[0].request, now_ms)
         return out + started
 
-    def _mark_started(self, request_id: str, now_ms: float) -> list[Action]:
+    def _mark_started(self, request_id: str, now_ms: float) -> list[Ack]:
         # The start time is what min_run_ms (preemption hysteresis) counts from.
         if (self.scheduler.is_started(request_id)
                 or not self.scheduler.on_started(request_id, now_ms)):

@@ -72,7 +72,10 @@ class TenantQueue:
         heap, live = self._heap, self._live
         while heap:
             entry = heap[0]
-            if live.get(entry[5].request_id) is entry:
+            # Live if its request's current entry is this one: told by `unique`, not by
+            # tuple identity, which compiled code (mypyc) does not keep.
+            current = live.get(entry[5].request_id)
+            if current is not None and current[4] == entry[4]:
                 return entry[5]
             heapq.heappop(heap)
         return None

@@ -44,10 +44,11 @@ class TierSelector:
         if i is None:
             i = self._index[tier] = len(self.tiers)
             self.tiers.append(TierConfig(tier))
-            for arr, zero in ((self.num_queued, 0), (self.queued_cost, 0.0),
-                              (self.dispatched_cost, 0.0), (self._recent, 0.0),
-                              (self._waiting_since, None)):
-                arr.append(zero)
+            self.num_queued.append(0)
+            self.queued_cost.append(0.0)
+            self.dispatched_cost.append(0.0)
+            self._recent.append(0.0)
+            self._waiting_since.append(None)
         return i
 
     def engine_priority(self, i: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable, Mapping
+from typing import ClassVar
 
 from dispatcher.scheduler.base import (
     Eligible,
@@ -41,7 +42,7 @@ _Entry = tuple[float, int, int, TenantState]  # (counter, unique, version, state
 
 
 class VtcPolicy:
-    name = "vtc"
+    name: ClassVar[str] = "vtc"
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None) -> None:
         self.config = config
