@@ -1,7 +1,8 @@
 """How fast `fairlane simulate` runs: workers x tenants x simulated seconds, wall clock.
 
     PYTHONPATH=. python bench/bench_simulate_scale.py \\
-        [--scales 10x100,100x10000,1000x100000] [--duration-s 3600] [--max-wall-s 900]
+        [--scales 10x100,100x10000,1000x100000] [--duration-s 3600] [--max-wall-s 900] \\
+        [--variants interpreted,compiled]
 
 Issue 12's target: 1,000 workers x 100,000 tenants x one simulated hour in under 10
 minutes on this 2-core machine, memory bounded. Each scale runs `fleetsim.fleet.Fleet`
@@ -24,6 +25,12 @@ and the report are not in it; they are seconds, O(tenants)). A scale that would 
 `--max-wall-s` stops at the next `--progress-s` checkpoint: its row then shows the
 simulated time reached, and the hour is extrapolated from its steady-state rate
 (labelled as such). `--duration-s 1000x100000:600` sets one scale's duration.
+
+`--variants interpreted,compiled` runs each scale twice, as `fairlane simulate` and as
+`fairlane simulate --compiled` (the same modules compiled with mypyc,
+`fleetsim.compiled`; built before the first run, not timed), one after the other, the
+order reversed every other scale. The simulation is the same (the rows' requests,
+busy and TTFT agree); only the wall time differs.
 """
 
 from __future__ import annotations
@@ -123,10 +130,15 @@ class _Stop(Exception):
     pass
 
 
-def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float) -> dict:
+def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float,
+          variant: str) -> dict:
     from fleetsim.cli import tuned_gc
+    from fleetsim.compiled import is_compiled
     from fleetsim.fleet import Fleet, FleetSettings
     from fleetsim.recorder import Recorder
+
+    if is_compiled() != (variant == "compiled"):
+        raise SystemExit(f"variant {variant}: fleetsim.fleet is {sys.modules['fleetsim.fleet'].__file__}")
 
     wl, info = build_workload(workers, tenants, duration_s, a.slots, a.load, a.seed)
     recorder = Recorder(wl.tenants, duration_s)
@@ -166,6 +178,7 @@ def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float) 
     else:
         steady_rate = sim_s / wall_s
     return {
+        "variant": variant,
         "workers": workers, "tenants": tenants, "slots": a.slots, "load_target": a.load,
         "duration_s": duration_s, "simulated_s": sim_s, "stopped_early": stopped,
         "wall_s": round(wall_s, 2), "cpu_s": round(cpu_s, 2),
@@ -186,9 +199,10 @@ def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float) 
 
 
 HOW_TO_READ = f"""\
-One row per scale: `workers x tenants`, {TEMPLATE.relative_to(ROOT)}'s traffic mix scaled
-to it (module docstring), outputs 128-384 tokens, preemption on (the pool's default),
-drr. *wall s* is `Fleet.run` alone (perf_counter); *cpu s* its process time (the
+One row per scale and variant: `workers x tenants`, {TEMPLATE.relative_to(ROOT)}'s traffic
+mix scaled to it (module docstring), outputs 128-384 tokens, preemption on (the pool's
+default), drr. *variant*: `interpreted` is `fairlane simulate`, `compiled` is `fairlane
+simulate --compiled` (the same modules compiled with mypyc, `fleetsim.compiled`). *wall s* is `Fleet.run` alone (perf_counter); *cpu s* its process time (the
 machine's 2 cores are shared with other work: where wall and cpu differ, something else
 ran). *sim-s / wall-s* over the whole run, *steady* from {WARMUP_S:g} simulated s on (the
 empty fleet's first seconds are cheaper). *hour, wall* is the time one simulated hour
@@ -198,9 +212,10 @@ is the child process's own (getrusage), with Python, numpy and the scheduler loa
 
 
 def report(runs: list[dict]) -> str:
-    lines = ["| workers x tenants | simulated s | wall s | cpu s | sim-s / wall-s | steady "
-             "| hour, wall | peak RSS MiB | requests | req / wall-s | busy | TTFT p50 / p99 s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| workers x tenants | variant | simulated s | wall s | cpu s | sim-s / wall-s "
+             "| steady | hour, wall | peak RSS MiB | requests | req / wall-s | busy "
+             "| TTFT p50 / p99 s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         hour = fmt_num(r["hour_wall_s"] / 60, 1) + " min"
         if r["hour_extrapolated"]:
@@ -208,7 +223,8 @@ def report(runs: list[dict]) -> str:
         ttft = f"{fmt_num(r['ttft_p50_s'], 3)} / {fmt_num(r['ttft_p99_s'], 3)}"
         sim = fmt_num(r["simulated_s"], 0) + (" (stopped)" if r["stopped_early"] else "")
         lines.append(
-            f"| {r['workers']:,} x {r['tenants']:,} | {sim} | {fmt_num(r['wall_s'])} "
+            f"| {r['workers']:,} x {r['tenants']:,} | {r.get('variant', 'interpreted')} "
+            f"| {sim} | {fmt_num(r['wall_s'])} "
             f"| {fmt_num(r['cpu_s'])} | {fmt_num(r['sim_s_per_wall_s'], 2)} "
             f"| {fmt_num(r['steady_sim_s_per_wall_s'], 2)} | {hour} | {fmt_num(r['peak_rss_mib'])} "
             f"| {r['arrivals']:,} | {fmt_num(r['arrivals_per_wall_s'], 0)} "
@@ -219,15 +235,18 @@ def report(runs: list[dict]) -> str:
         picks = cps[:: max(1, len(cps) // 8)] + ([cps[-1]] if len(cps) % 8 else [])
         marks = ", ".join(f"{c[0]:,.0f}: {c[3]:,.0f}" for c in dict.fromkeys(
             tuple(c) for c in picks))
-        lines.append(f"- {r['workers']:,} x {r['tenants']:,}: {marks}")
+        lines.append(f"- {r['workers']:,} x {r['tenants']:,}, "
+                     f"{r.get('variant', 'interpreted')}: {marks}")
     big = [r for r in runs if r["workers"] >= 1000 and r["tenants"] >= 100_000]
     if big:
-        r = big[-1]
+        lines.append("")
+    for r in big:
         verdict = "met" if r["hour_wall_s"] <= TARGET_WALL_S else "missed"
-        lines += ["", f"**Target (1,000 x 100,000 x one simulated hour in < 10 min): "
-                      f"{verdict}** — {fmt_num(r['hour_wall_s'] / 60, 1)} min"
-                      + (" (extrapolated)" if r["hour_extrapolated"] else "")
-                      + f", {fmt_num(r['hour_wall_s'] / TARGET_WALL_S, 1)}x the target."]
+        lines.append(f"**Target (1,000 x 100,000 x one simulated hour in < 10 min), "
+                     f"{r.get('variant', 'interpreted')}: {verdict}** — "
+                     f"{fmt_num(r['hour_wall_s'] / 60, 1)} min"
+                     + (" (extrapolated)" if r["hour_extrapolated"] else "")
+                     + f", {fmt_num(r['hour_wall_s'] / TARGET_WALL_S, 1)}x the target.")
     return "\n".join(lines)
 
 
@@ -243,6 +262,8 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--variants", default="interpreted",
+                    help="interpreted and/or compiled (fleetsim.compiled), comma-separated")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     default_s, per_scale = 3600.0, {}
@@ -253,11 +274,24 @@ def main() -> None:
         else:
             default_s = float(part)
     if a.child:
-        w, t = parse_scale(a.child)
-        print(json.dumps(child(a, w, t, per_scale.get(a.child.lower(), default_s))))
+        scale, _, variant = a.child.partition("@")
+        w, t = parse_scale(scale)
+        print(json.dumps(child(a, w, t, per_scale.get(scale.lower(), default_s), variant)))
         return
+    variants = a.variants.split(",")
+    if unknown := set(variants) - {"interpreted", "compiled"}:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}")
+    env_for = None
+    if "compiled" in variants:
+        from fleetsim import compiled
+
+        build_dir = compiled.build()
+        env_for = (lambda item: compiled.env(build_dir)  # noqa: E731
+                   if item.endswith("@compiled") else None)
+    items = [f"{scale}@{v}" for i, scale in enumerate(a.scales.split(","))
+             for v in (variants if i % 2 == 0 else variants[::-1])]
     meta = RunMeta.here()
-    runs, (load0, load1) = run_children(__file__, a.scales.split(","))
+    runs, (load0, load1) = run_children(__file__, items, env_for)
     body = report(runs) + f"\n\nLoad average before / after: {load0} / {load1}.\n"
     md, js = write_results(a.out, TITLE, body, {"runs": runs, "load_avg": [load0, load1],
                                                 "args": vars(a) | {"out": str(a.out)}},

@@ -288,17 +288,23 @@ def write_results(md_path: Path, title: str, body: str, data: Any, meta: RunMeta
     return md_path, js
 
 
-def run_children(script: str, items: Sequence[str]) -> tuple[list[dict], list[tuple]]:
+def run_children(script: str, items: Sequence[str],
+                 env_for: Callable[[str], dict[str, str] | None] | None = None,
+                 ) -> tuple[list[dict], list[tuple]]:
     """Run `script` once per item as ``script <this process's argv> --child ITEM`` in a
     process of its own (its memory and GC start fresh; peak RSS is its own), each
-    printing its result as JSON on its last stdout line. Returns the results and the
-    machine's load average before and after, for the results file."""
+    printing its result as JSON on its last stdout line; `env_for(item)` may give an
+    item its own environment (its PYTHONPATH is kept, the checkout appended). Returns
+    the results and the machine's load average before and after, for the results file."""
     load0 = tuple(round(x, 2) for x in os.getloadavg())
     runs = []
     for item in items:
         print(f"{item} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, script, *sys.argv[1:], "--child", item]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        own = env_for(item) if env_for else None
+        env = dict(own if own is not None else os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in ((own or {}).get("PYTHONPATH", ""), str(ROOT)) if p)
         out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
         if out.returncode != 0:
             raise SystemExit(f"{item}: child failed ({out.returncode})")

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import resource
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -59,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated tenants to report one by one (besides the busiest)")
     p.add_argument("--out", default="simulate-out", help="directory for the report and plots")
     p.add_argument("--no-plots", action="store_true", help="markdown and JSON only")
+    p.add_argument("--compiled", action="store_true",
+                   help="run the simulator's modules compiled with mypyc (same source, same "
+                        "result, ~2x faster; built once into a cache: fleetsim.compiled)")
     return p
 
 
@@ -80,6 +85,25 @@ def tuned_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+_COMPILED_CHILD = "FAIRLANE_SIM_COMPILED_CHILD"
+
+
+def _run_compiled(argv: list[str]) -> int:
+    """The same command in a child process that imports the compiled copy first."""
+    from fleetsim import compiled
+
+    try:
+        build_dir = compiled.build()
+    except compiled.CompileError as exc:
+        print(f"{PROG}: --compiled: {exc}", file=sys.stderr)
+        return 2
+    env = compiled.env(build_dir) | {_COMPILED_CHILD: "1"}
+    # -P: the working directory is not put first on sys.path (run from a checkout, its
+    # interpreted packages would shadow the compiled copy).
+    return subprocess.run([sys.executable, "-P", "-m", "fleetsim", *argv], env=env,
+                          check=False).returncode
+
+
 def cmd_simulate(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if bool(args.workload) == bool(args.usage):
@@ -88,6 +112,15 @@ def cmd_simulate(argv: list[str]) -> int:
     if args.workers < 1:
         print(f"{PROG}: --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.compiled:
+        from fleetsim import compiled
+
+        if not compiled.is_compiled():
+            if os.environ.get(_COMPILED_CHILD):
+                print(f"{PROG}: the compiled modules did not load (PYTHONPATH="
+                      f"{os.environ.get('PYTHONPATH', '')!r})", file=sys.stderr)
+                return 1
+            return _run_compiled(argv)
     from fleetsim.fleet import Fleet, FleetSettings
     from fleetsim.recorder import Recorder
     from fleetsim.report import write_report
@@ -146,6 +179,7 @@ def cmd_simulate(argv: list[str]) -> int:
         "preemptions_ordered": fleet.num_preemptions,
         "recomputed_tokens": sum(w.core.num_recomputed_tokens for w in fleet.workers),
         "peak_rss_mib": round(peak_rss_mib, 1),
+        "compiled": args.compiled,
     }
     command = "fairlane simulate " + shlex.join(argv)
     try:

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.unit
 
 
 def _run(workers: int, tenants: int, simulated_s: float, wall_s: float, hour_wall_s: float,
-         extrapolated: bool, stopped: bool = False) -> dict:
-    return {"workers": workers, "tenants": tenants, "slots": 32, "load_target": 0.8,
+         extrapolated: bool, stopped: bool = False, variant: str = "interpreted") -> dict:
+    return {"variant": variant, "workers": workers, "tenants": tenants, "slots": 32, "load_target": 0.8,
             "duration_s": 3600.0, "simulated_s": simulated_s, "stopped_early": stopped,
             "wall_s": wall_s, "cpu_s": wall_s - 0.1, "sim_s_per_wall_s": simulated_s / wall_s,
             "steady_sim_s_per_wall_s": 3600.0 / hour_wall_s, "hour_wall_s": hour_wall_s,
@@ -51,19 +51,20 @@ def test_table_is_the_bench_markdowns_table():
 def test_rows_and_target_verdict():
     data = _data()
     lines = rsc.scale_table(data["runs"]).splitlines()
-    assert lines[2] == ("| 100 x 10,000 | 3,600 | 300.0 | 299.9 | 12.00 | 12.00 | 5.0 min | "
+    assert lines[2] == ("| 100 x 10,000 | interpreted | 3,600 | 300.0 | 299.9 | 12.00 | 12.00 | 5.0 min | "
                         "100.2 | 1,234,567 | 4,115 | 81% | 0.042 / 0.163 |")
-    assert lines[3] == ("| 1,000 x 100,000 | 600 | 400.0 | 399.9 | 1.50 | 1.50 | 40.0 min "
+    assert lines[3] == ("| 1,000 x 100,000 | interpreted | 600 | 400.0 | 399.9 | 1.50 | 1.50 | 40.0 min "
                         "(extrapolated) | 100.2 | 1,234,567 | 3,086 | 81% | 0.042 / 0.163 |")
     assert rsc.target_line(data) == ("**Target (1,000 × 100,000 × one simulated hour in < 10 "
-                                     "min): missed** — 40.0 min (extrapolated), 4.0× the target.")
+                                     "min), interpreted: missed** — 40.0 min (extrapolated), "
+                                     "4.0× the target.")
     assert rsc.target_verdict(_data(600.0)["runs"][1]) == "met"  # exactly 10 min
     assert rsc.target_verdict(_data(601.0)["runs"][1]) == "missed"
 
 
 def test_a_stopped_run_says_so():
     r = _run(1000, 100_000, 240.0, 900.0, 13_500.0, True, stopped=True)
-    assert rsc.table_row(r)[1] == "240 (stopped)"
+    assert rsc.table_row(r)[2] == "240 (stopped)"
     assert rsc.hour_text(r) == "225.0 min (extrapolated)"
 
 
@@ -75,9 +76,9 @@ def test_benchmarks_table(tmp_path):
                                "[`scale.json`](res/scale.json) (commit abc1234, "
                                "2030-01-02T03:04:05Z)")
     assert "32 slots per worker, arrival rates for 80% of the slots busy" in out
-    assert "| 1,000 x 100,000 | 600 | 400.0 |" in out
+    assert "| 1,000 x 100,000 | interpreted | 600 | 400.0 |" in out
     assert lines[-1].startswith("**Target (1,000 × 100,000 × one simulated hour in < 10 "
-                                "min): missed**")
+                                "min), interpreted: missed**")
     assert "old table" not in out
     with pytest.raises(RenderError, match="one results file"):
         rsc.KINDS["simulate-scale"](res, ["a", "b"], "")
@@ -87,7 +88,8 @@ def test_summary_row_missed(tmp_path):
     row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, _data()))
     assert row == [
         "§9 fleet simulator: 1,000 workers × 100,000 tenants × 1 simulated hour",
-        "**1.50 sim-s per wall-s** (an hour ≈ 40.0 min, extrapolated from 600 simulated s); "
+        "**1.50 sim-s per wall-s** interpreted (an hour ≈ 40.0 min, extrapolated from 600 "
+        "simulated s); "
         "100 × 10,000: 12.0 (an hour in 5.0 min)",
         "< 10 min — missed (4.0×)",
         "[simulate_scale](res/simulate_scale.md) (abc1234, 2030-01-02)"]
@@ -96,8 +98,33 @@ def test_summary_row_missed(tmp_path):
 def test_summary_row_met_and_measured(tmp_path):
     data = {"runs": [_run(1000, 100_000, 3600.0, 480.0, 480.0, False)]}
     row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
-    assert row[1] == "**7.50 sim-s per wall-s** (an hour ≈ 8.0 min, measured)"  # no 100 x 10k
+    assert row[1] == ("**7.50 sim-s per wall-s** interpreted (an hour ≈ 8.0 min, "
+                      "measured)")  # no 100 x 10k
     assert row[2] == "< 10 min — met"
+
+
+def test_two_variants_each_get_a_row_and_a_verdict_the_fastest_leads_the_summary(tmp_path):
+    # An older file's runs have no "variant": interpreted.
+    old = _run(100, 10_000, 3600.0, 300.0, 300.0, False)
+    del old["variant"]
+    data = {"runs": [old,
+                     _run(100, 10_000, 3600.0, 150.0, 150.0, False, variant="compiled"),
+                     _run(1000, 100_000, 600.0, 800.0, 4800.0, True, variant="compiled"),
+                     _run(1000, 100_000, 600.0, 1600.0, 9600.0, True)]}
+    lines = rsc.scale_table(data["runs"]).splitlines()
+    assert [line.split(" | ")[1] for line in lines[2:]] == [
+        "interpreted", "compiled", "compiled", "interpreted"]
+    assert rsc.scale_table(data["runs"]) == bench_report(data["runs"]).split("\n\n")[0]
+    verdicts = rsc.target_line(data).split("\n\n")
+    assert [v.split("**")[1] for v in verdicts] == [
+        "Target (1,000 × 100,000 × one simulated hour in < 10 min), compiled: missed",
+        "Target (1,000 × 100,000 × one simulated hour in < 10 min), interpreted: missed"]
+    assert "80.0 min (extrapolated), 8.0× the target" in verdicts[0]
+    row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
+    assert row[1] == ("**0.75 sim-s per wall-s** compiled (an hour ≈ 80.0 min, extrapolated "
+                      "from 600 simulated s); interpreted: 0.38 (an hour ≈ 160.0 min); "
+                      "100 × 10,000: 24.0 (an hour in 2.5 min)")
+    assert row[2] == "< 10 min — missed (8.0×)"
 
 
 def test_missing_target_scale_is_an_error(tmp_path):
