@@ -238,7 +238,7 @@ class Scheduler:
 
     # --- selection ---------------------------------------------------------------------
 
-    def _within_quota(self, tenant: str, kv_tokens: int) -> bool:
+    def within_quota(self, tenant: str, kv_tokens: int) -> bool:
         tcfg = self.config.tenant(tenant)
         if tcfg is None:
             return True
@@ -253,14 +253,11 @@ class Scheduler:
             and load.kv_tokens_in_flight + kv_tokens > tcfg.max_kv_tokens
         )
 
-    def within_quota(self, tenant: str, kv_tokens: int) -> bool:
-        return self._within_quota(tenant, kv_tokens)
-
     def _pick(self, now_ms: float) -> QueuedRequest | None:
         # Try tiers in the selector's order; a tier whose tenants are all quota-blocked
         # yields nothing and the next one is tried (work conservation).
         for i in self.tiers.order(now_ms):
-            req = self.policy.pop(self.tiers.tiers[i].name, self._within_quota, now_ms)
+            req = self.policy.pop(self.tiers.tiers[i].name, self.within_quota, now_ms)
             if req is not None:
                 return req
         return None
@@ -275,7 +272,7 @@ class Scheduler:
         while len(out) < max_items and self._queued:
             # A slot freed by preemption (or any slot, if that comes first) goes to the
             # waiting request it was taken for, not by the policy (`preempt`).
-            held = self.preemptor.next_held(self._queued, self._within_quota) \
+            held = self.preemptor.next_held(self._queued, self.within_quota) \
                 if self.preemptor.held else None
             req = held or self._pick(now_ms)
             if req is None:

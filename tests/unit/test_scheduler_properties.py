@@ -151,10 +151,10 @@ def test_random_operations_keep_every_invariant(policy, ops, tcfgs, cost_model, 
             if len(out) < o[1]:  # work conservation: nothing eligible is left
                 if fair:
                     for r in _heads(m).values():
-                        assert not s._within_quota(r.tenant, r.kv_tokens), r
+                        assert not s.within_quota(r.tenant, r.kv_tokens), r
                 else:
                     for r in m.queued.values():
-                        assert not s._within_quota(r.tenant, r.kv_tokens), r
+                        assert not s.within_quota(r.tenant, r.kv_tokens), r
         elif kind == "start":
             rid = pick(m.in_flight, o[1])
             if rid:
@@ -277,7 +277,7 @@ def test_no_starvation_for_within_quota_tenants(weights, quotas, slots, seed):
         while len(in_flight) < slots:
             eligible = {n for n in names
                         if s.tenant_loads().get(n) and s.tenant_loads()[n].num_queued
-                        and s._within_quota(n, 2)}
+                        and s.within_quota(n, 2)}
             out = s.select(1, step)
             if not out:
                 assert not eligible  # work conservation
