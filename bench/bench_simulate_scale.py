@@ -48,7 +48,10 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout first, unless the path has it already: a `--variants compiled` child's
+# PYTHONPATH puts the compiled copy ahead of it (fleetsim.compiled.env).
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import RunMeta, fmt_num, run_children, write_results  # noqa: E402
 
