@@ -53,3 +53,28 @@ def test_the_child_imports_the_build_first_then_its_path_then_the_source(tmp_pat
 
 def test_this_process_runs_the_interpreted_modules():
     assert compiled.is_compiled() is False
+
+
+def test_compiled_without_a_compiler_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    from fleetsim.cli import cmd_simulate
+
+    wl = tmp_path / "wl.yaml"
+    wl.write_text("duration_s: 1\nclasses: []\n")
+
+    def no_build(*_a, **_k):
+        raise compiled.CompileError("mypyc is not installed: pip install -e '.[sim]'")
+
+    monkeypatch.setattr(compiled, "build", no_build)
+    assert cmd_simulate([str(wl), "--compiled", "--out", str(tmp_path / "o")]) == 2
+    assert "--compiled: mypyc is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_child_that_did_not_load_the_build_says_so(tmp_path, monkeypatch, capsys):
+    from fleetsim.cli import cmd_simulate
+
+    wl = tmp_path / "wl.yaml"
+    wl.write_text("duration_s: 1\nclasses: []\n")
+    monkeypatch.setenv("FAIRLANE_SIM_COMPILED_CHILD", "1")  # as _run_compiled's child
+    assert cmd_simulate([str(wl), "--compiled", "--out", str(tmp_path / "o")]) == 1
+    assert "the compiled modules did not load" in capsys.readouterr().err
