@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from dispatcher.scheduler import actions as act
@@ -70,6 +71,9 @@ class Fleet:
             for i in range(self.s.num_workers)]
         self._by_id = {w.worker_id: w for w in self.workers}
         self._events: list[tuple[float, int, Callable, object]] = []
+        # Messages (`_send`) and pull expiries: fixed delays, so appended in time order.
+        self._net: deque[tuple[float, int, Callable, object]] = deque()
+        self._expiries: deque[tuple[float, int, int]] = deque()  # (time, seq, pull key)
         self._seq = itertools.count()
         # Waiting pulls by arrival, those with a free slot apart (served first); the
         # pulls a serving pass gave work to (`_take`), answered at its end.
@@ -88,6 +92,10 @@ class Fleet:
     def _at(self, t_ms: float, fn: Callable, arg: object = None) -> None:
         heapq.heappush(self._events, (t_ms, next(self._seq), fn, arg))
 
+    def _send(self, fn: Callable, arg: object) -> None:
+        """A message between dispatcher and worker: handled `network_ms` from now."""
+        self._net.append((self.now_ms + self.s.network_ms, next(self._seq), fn, arg))
+
     def run(self, arrivals: Iterator[Arrival], duration_s: float,
             progress: Callable[[float], None] | None = None,
             progress_every_s: float = 60.0) -> None:
@@ -103,9 +111,25 @@ class Fleet:
         nxt = next(arrivals, None)
         nxt_ms = nxt.t_s * 1000.0 if nxt is not None else inf
         next_progress_ms = 0.0
-        events = self._events
+        events, net, expiries = self._events, self._net, self._expiries
         while True:
-            t_ev = events[0][0] if events else inf
+            # The next event is the earliest (time, seq) of three queues: the heap
+            # (timers, step ends), the messages and the pull expiries. The last two
+            # have fixed delays, so they are FIFOs already in (time, seq) order (O(1)
+            # instead of a heap operation, ~7 of a request's ~9 events); merged by
+            # (time, seq) they give the order one heap of everything gave.
+            src, t_ev, seq_ev = 0, inf, 0
+            if events:
+                head = events[0]
+                src, t_ev, seq_ev = 1, head[0], head[1]
+            if net:
+                msg = net[0]
+                if msg[0] < t_ev or (msg[0] == t_ev and msg[1] < seq_ev):
+                    src, t_ev, seq_ev = 2, msg[0], msg[1]
+            if expiries:
+                exp = expiries[0]
+                if exp[0] < t_ev or (exp[0] == t_ev and exp[1] < seq_ev):
+                    src, t_ev, seq_ev = 3, exp[0], exp[1]
             if nxt_ms <= t_ev and nxt is not None:
                 if nxt_ms > end_ms:
                     nxt, nxt_ms = None, inf
@@ -117,10 +141,16 @@ class Fleet:
                 continue
             if t_ev > end_ms:
                 break
-            t, _, fn, arg = heapq.heappop(events)
-            self.now_ms = t
+            self.now_ms = t = t_ev
             self.num_events += 1
-            fn(arg)
+            if src == 1:
+                _, _, fn, arg = heapq.heappop(events)
+                fn(arg)
+            elif src == 2:
+                _, _, fn, arg = net.popleft()
+                fn(arg)
+            else:
+                self._expire_pull(expiries.popleft()[2])
             if progress is not None and t >= next_progress_ms:
                 progress(t / 1000.0)
                 next_progress_ms = t + progress_every_s * 1000.0
@@ -156,8 +186,8 @@ class Fleet:
                                                            self.now_ms))
                 case act.Preempt(worker_id=worker_id, dispatch=d):
                     self.num_preemptions += 1
-                    self._at(self.now_ms + self.s.network_ms, self._on_preempt_order,
-                             (self._by_id[worker_id], a.request.request_id, d))
+                    self._send(self._on_preempt_order,
+                               (self._by_id[worker_id], a.request.request_id, d))
                 case act.Requeued() | act.Released():
                     wake = True
                 case _:
@@ -182,11 +212,10 @@ class Fleet:
             spread(itertools.chain(free.values(), prefetch.values()), self._num_queued,
                    self._take, Pull.room)
         if served:
-            at, t = self._at, self.now_ms + self.s.network_ms
             for p in served:
                 if free.pop(p.key, None) is None:
                     del prefetch[p.key]
-                at(t, self._on_batch, (p.worker, p.given))
+                self._send(self._on_batch, (p.worker, p.given))
             served.clear()
         self._maybe_preempt()
 
@@ -210,7 +239,7 @@ class Fleet:
     def _expire_pull(self, key: int) -> None:
         p = self._pulls_free.pop(key, None) or self._pulls_prefetch.pop(key, None)
         if p is not None:
-            self._at(self.now_ms + self.s.network_ms, self._on_batch, (p.worker, []))
+            self._send(self._on_batch, (p.worker, []))
 
     def _housekeeping(self, _: object) -> None:
         self._apply(self.core.tick(self.now_ms))
@@ -228,13 +257,14 @@ class Fleet:
     # --- messages arriving at the dispatcher --------------------------------------------
 
     def _to_dispatcher(self, fn: Callable, arg: object) -> None:
-        self._at(self.now_ms + self.s.network_ms, fn, arg)
+        self._send(fn, arg)
 
     def _on_pull(self, p: Pull) -> None:
         self._apply(self.core.on_pull(p.worker.worker_id, p.free_kv_tokens, self.now_ms))
         p.key = key = next(self._pull_ids)
         (self._pulls_free if p.free_slots else self._pulls_prefetch)[key] = p
-        self._at(p.expires_ms, self._expire_pull, key)
+        # expires_ms is now + pull_wait_ms (sent network_ms ago, it waits that long here)
+        self._expiries.append((p.expires_ms, next(self._seq), key))
         self._serve_pulls()
 
     def _on_started(self, arg: tuple[Worker, str]) -> None:
@@ -285,8 +315,8 @@ class Fleet:
             return  # asks again when a slot frees (a finish)
         w.pulling = True
         t = self.now_ms + self.s.network_ms
-        self._at(t, self._on_pull, Pull(max_items=room, free_slots=free_slots, free_kv_tokens=free_kv,
-                                        worker=w, expires_ms=t + self.s.pull_wait_ms))
+        self._send(self._on_pull, Pull(max_items=room, free_slots=free_slots, free_kv_tokens=free_kv,
+                                       worker=w, expires_ms=t + self.s.pull_wait_ms))
 
     def _on_batch(self, arg: tuple[Worker, list[Dispatch]]) -> None:
         w, items = arg

@@ -238,7 +238,25 @@ def test_queued_work_goes_to_free_slots_first_spread_over_the_pulls():
     for i in range(4):
         fleet.core.submit(QueuedRequest(f"r{i}", "a", "standard", 32, 64, 64), 0.0)
     fleet._serve_pulls()
-    batches = {arg[0].worker_id: len(arg[1]) for _, _, fn, arg in fleet._events
+    batches = {arg[0].worker_id: len(arg[1]) for _, _, fn, arg in fleet._net
                if getattr(fn, "__name__", "") == "_on_batch"}
     assert batches == {a.worker_id: 1, b.worker_id: 3}
     assert not fleet._pulls_free and fleet.scheduler.num_queued == 0
+
+
+def test_messages_timers_and_expiries_run_in_one_time_then_schedule_order():
+    """Messages and pull expiries have fixed delays and wait in FIFOs beside the timer
+    heap; events at the same time still run in the order they were scheduled, whichever
+    queue holds them (as one heap of all of them ran them)."""
+    t = table("a")
+    fleet = Fleet(config(t), t, Collect(), FleetSettings(num_workers=1, network_ms=0.5))
+    ran: list[str] = []
+    fleet._at(0.5, ran.append, "timer 1")
+    fleet._send(ran.append, "message 2")  # now 0: at 0.5, scheduled after timer 1
+    fleet._at(0.5, ran.append, "timer 3")
+    fleet._expiries.append((0.5, next(fleet._seq), -1))  # no such pull: a no-op
+    fleet._send(ran.append, "message 4")
+    fleet._at(0.25, ran.append, "timer 0")
+    fleet._at(0.75, ran.append, "timer 5")
+    fleet.run(iter(()), 0.001)
+    assert ran == ["timer 0", "timer 1", "message 2", "timer 3", "message 4", "timer 5"]
