@@ -48,7 +48,10 @@ MODULES = (
     "fleetsim/records.py",
     "fleetsim/recorder.py",
 )
-_SKIP = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.c", "*.pyc", "build")
+# Build leftovers beside the source: neither copied nor part of the key.
+_LEFTOVER_DIRS = ("__pycache__", "build")
+_LEFTOVER_SUFFIXES = (".so", ".pyd", ".pyc", ".c")
+_SKIP = shutil.ignore_patterns(*_LEFTOVER_DIRS, *(f"*{s}" for s in _LEFTOVER_SUFFIXES))
 _MARKER = ".built"
 
 
@@ -71,8 +74,9 @@ def _files(root: Path) -> list[Path]:
     out = []
     for pkg in PACKAGES:
         for p in sorted((root / pkg).rglob("*")):
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (
-                    ".so", ".pyd", ".pyc", ".c"):
+            inside = p.relative_to(root).parts
+            if p.is_file() and p.suffix not in _LEFTOVER_SUFFIXES and not any(
+                    d in inside for d in _LEFTOVER_DIRS):
                 out.append(p)
     return out
 

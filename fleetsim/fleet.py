@@ -256,9 +256,6 @@ class Fleet:
 
     # --- messages arriving at the dispatcher --------------------------------------------
 
-    def _to_dispatcher(self, fn: Callable, arg: object) -> None:
-        self._send(fn, arg)
-
     def _on_pull(self, p: Pull) -> None:
         self._apply(self.core.on_pull(p.worker.worker_id, p.free_kv_tokens, self.now_ms))
         p.key = key = next(self._pull_ids)
@@ -292,7 +289,7 @@ class Fleet:
         each worker's message handled in the same order as separate events would be."""
         beats = [(w, list(w.seqs), [rid for rid, s in w.seqs.items() if s.owner.started],
                   self._load(w.core)) for w in self.workers]
-        self._to_dispatcher(self._on_heartbeats, beats)
+        self._send(self._on_heartbeats, beats)
         self._at(self.now_ms + self.s.heartbeat_ms, self._heartbeats)
 
     def _on_heartbeats(self, beats: list[tuple[Worker, list[str], list[str], EngineLoad]]) -> None:
@@ -352,7 +349,7 @@ class Fleet:
             r.num_generated = seq.num_output_tokens
             r.preemptions += 1
             self.sink.on_preempted(r.arrival.tenant, self.now_ms / 1000, 0)
-            self._to_dispatcher(self._on_preempted, (w, rid, seq.num_output_tokens))
+            self._send(self._on_preempted, (w, rid, seq.num_output_tokens))
         if replacement is not None:
             self._accept(w, replacement)
 
@@ -438,7 +435,7 @@ class Fleet:
                     r.first_token_ms = self.now_ms
                     self.sink.on_first_token(r.arrival.tenant, self.now_ms / 1000,
                                              (self.now_ms - r.arrival.t_s * 1000) / 1000)
-                self._to_dispatcher(self._on_started, (w, seq.request_id))
+                self._send(self._on_started, (w, seq.request_id))
             if seq.num_tokens_left <= 0:
                 self._finish(w, seq)
         self._start_steps(w)
@@ -476,4 +473,4 @@ class Fleet:
         usage = ActualUsage(prompt_tokens=a.prompt_tokens,
                             completion_tokens=seq.num_output_tokens - r.num_generated,
                             kv_token_seconds=seq.kv_token_seconds, e2e_ms=e2e_s * 1000)
-        self._to_dispatcher(self._on_finished, (w, seq.request_id, usage))
+        self._send(self._on_finished, (w, seq.request_id, usage))

@@ -28,6 +28,8 @@ def test_the_key_follows_the_source_not_build_leftovers(tmp_path):
     (tmp_path / "fleetsim" / "fleet.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\0")
     (tmp_path / "fleetsim" / "__pycache__").mkdir()
     (tmp_path / "fleetsim" / "__pycache__" / "fleet.pyc").write_bytes(b"\0")
+    (tmp_path / "fleetsim" / "build").mkdir()
+    (tmp_path / "fleetsim" / "build" / "fleet.c").write_text("/* mypyc */\n")
     assert compiled.build_key(tmp_path) == key
     (tmp_path / "fleetsim" / "fleet.py").write_text("X = 2\n")
     assert compiled.build_key(tmp_path) != key
