@@ -35,8 +35,8 @@ from pathlib import Path
 # The packages the simulator imports from, copied whole (their .py files and data).
 PACKAGES = ("fairlane", "dispatcher", "gpu_worker", "fleetsim")
 # What mypyc compiles (paths in the copy): everything an event touches, so that
-# compiled code calls compiled code. Not the arrival processes (processes.py,
-# workload.py; ~7% of a run's time): their class layout is not mypyc's.
+# compiled code calls compiled code, the arrival streams included (processes.py);
+# not the workload file's parsing (workload.py), which runs once.
 MODULES = (
     "dispatcher/scheduler/*.py",
     "gpu_worker/room.py",
@@ -44,6 +44,7 @@ MODULES = (
     "gpu_worker/sim/step_model.py",
     "gpu_worker/sim/prefix_cache.py",
     "fleetsim/fleet.py",
+    "fleetsim/processes.py",
     "fleetsim/state.py",
     "fleetsim/records.py",
     "fleetsim/recorder.py",

@@ -5,7 +5,10 @@ generates the whole class as ONE stream of ``(t_s, k)`` (k = the tenant's offset
 its class) in O(1) memory, however large N is: a superposition of N Poisson streams of
 rate r is one Poisson stream of rate N*r whose every arrival belongs to a uniformly
 drawn tenant, and per-tenant state (a phase) is a function of the tenant's offset
-instead of a stored table. `workload` merges the classes' streams with a heap.
+instead of a stored table. `class_arrivals` turns a class's stream into `Arrival`s
+and `merge_arrivals` merges the classes' streams with a heap (`workload` calls both):
+every arrival passes through here, so this module is compiled for `--compiled` runs
+(`fleetsim.compiled`), unlike `workload`'s file parsing.
 
 Validation errors raise `WorkloadError` naming the field path
 (``classes[1].arrival.rate_per_s: must be >= 0, got -1``).
@@ -19,9 +22,10 @@ import random
 from bisect import bisect_right
 from collections.abc import Iterator
 from itertools import accumulate
-from typing import Any
+from typing import Any, ClassVar
 
 from fairlane.tenants_schema import TenantsFileError
+from fleetsim.records import Arrival
 
 PROCESSES = ("poisson", "burst", "on_off", "diurnal")
 DISTS = ("fixed", "uniform", "lognormal", "normal", "choice", "empirical")
@@ -44,7 +48,7 @@ class Fields:
     """A mapping under validation: unknown keys are refused up front (a typo is an
     error, not a silently default), then values are taken with range checks."""
 
-    _MISSING: Any = object()
+    _MISSING: ClassVar[Any] = object()
 
     def __init__(self, raw: Any, source: str, path: str, known: tuple[str, ...]) -> None:
         self.source, self.path = source, path
@@ -166,7 +170,7 @@ def parse_dist(raw: Any, source: str, path: str) -> Dist:
             raise WorkloadError(source, f"{path}.dist", f"required (one of: {', '.join(DISTS)})")
         raise WorkloadError(source, f"{path}.dist",
                             f"unknown distribution {kind!r} (expected one of: {', '.join(DISTS)})")
-    f = Fields(raw, source, path, ("dist", *known.get(kind, ())))
+    f = Fields(raw, source, path, ("dist", *known.get(str(kind), ())))
     if kind == "fixed":
         return _Fixed(f.num("value", ge=1, integer=True))
     if kind == "uniform":
@@ -239,10 +243,11 @@ class Poisson(Process):
     def __init__(self, rate_per_s: float) -> None:
         self.rate_per_s = rate_per_s
 
-    def stream(self, rng, num_tenants, duration_s):
+    def stream(self, rng: random.Random, num_tenants: int,
+               duration_s: float) -> Iterator[tuple[float, int]]:
         return _poisson(rng, self.rate_per_s * num_tenants, num_tenants, duration_s)
 
-    def expected(self, num_tenants, duration_s):
+    def expected(self, num_tenants: int, duration_s: float) -> float:
         return self.rate_per_s * num_tenants * duration_s
 
 
@@ -275,14 +280,15 @@ class Burst(Process):
                     return
                 yield t, pos % n
 
-    def stream(self, rng, num_tenants, duration_s):
+    def stream(self, rng: random.Random, num_tenants: int,
+               duration_s: float) -> Iterator[tuple[float, int]]:
         bursts = self._bursts(num_tenants, duration_s)
         if self.rate_per_s <= 0:
             return bursts
         background = _poisson(rng, self.rate_per_s * num_tenants, num_tenants, duration_s)
         return heapq.merge(bursts, background)
 
-    def expected(self, num_tenants, duration_s):
+    def expected(self, num_tenants: int, duration_s: float) -> float:
         total = num_tenants * self.count
         step_s = self.spread_s / total
         n = 0.0
@@ -315,7 +321,8 @@ class OnOff(Process):
     def __init__(self, rate_per_s: float, on_s: float, off_s: float) -> None:
         self.rate_per_s, self.on_s, self.off_s = rate_per_s, on_s, off_s
 
-    def stream(self, rng, num_tenants, duration_s):
+    def stream(self, rng: random.Random, num_tenants: int,
+               duration_s: float) -> Iterator[tuple[float, int]]:
         n, period_s = num_tenants, self.on_s + self.off_s
         duty = self.on_s / period_s
         u = rng.random()
@@ -333,7 +340,7 @@ class OnOff(Process):
             rank = (lo + min(int(rand() * on), on - 1)) % n
             yield t, (rank - c) * a_inv % n
 
-    def expected(self, num_tenants, duration_s):
+    def expected(self, num_tenants: int, duration_s: float) -> float:
         return self.rate_per_s * num_tenants * duration_s * self.on_s / (self.on_s + self.off_s)
 
 
@@ -348,7 +355,8 @@ class Diurnal(Process):
         self.rate_per_s, self.amplitude, self.period_s = rate_per_s, amplitude, period_s
         self.phase_s, self.phase_spread_s = phase_s, phase_spread_s
 
-    def stream(self, rng, num_tenants, duration_s):
+    def stream(self, rng: random.Random, num_tenants: int,
+               duration_s: float) -> Iterator[tuple[float, int]]:
         n, amp = num_tenants, self.amplitude
         w = 2 * math.pi / self.period_s
         u = rng.random()
@@ -361,7 +369,7 @@ class Diurnal(Process):
             if rand() * (1 + amp) < 1 + amp * sin(w * (t + phase_s)):
                 yield t, k
 
-    def expected(self, num_tenants, duration_s):
+    def expected(self, num_tenants: int, duration_s: float) -> float:
         w = 2 * math.pi / self.period_s
 
         def mean_cos(x_s: float) -> float:  # cos(w (x + phase)) averaged over the spread
@@ -388,7 +396,7 @@ def parse_process(raw: Any, source: str, path: str) -> Process:
                                 f"required (one of: {', '.join(PROCESSES)})")
         raise WorkloadError(source, f"{path}.process",
                             f"unknown process {kind!r} (expected one of: {', '.join(PROCESSES)})")
-    f = Fields(raw, source, path, ("process", *known.get(kind, ())))
+    f = Fields(raw, source, path, ("process", *known.get(str(kind), ())))
     if kind == "poisson":
         return Poisson(f.num("rate_per_s", ge=0))
     if kind == "burst":
@@ -403,3 +411,37 @@ def parse_process(raw: Any, source: str, path: str) -> Process:
     return Diurnal(f.num("rate_per_s", ge=0), f.num("amplitude", ge=0, le=1),
                    f.num("period_s", DAY_S, gt=0), f.num("phase_s", 0.0),
                    f.num("phase_spread_s", 0.0, ge=0))
+
+
+# --- a workload's arrivals ---
+
+
+def class_arrivals(process: Process, prompt_tokens: Dist, output_tokens: Dist,
+                   first_tenant: int, num_tenants: int, max_tokens: int,
+                   times_rng: random.Random, lengths_rng: random.Random,
+                   duration_s: float) -> Iterator[Arrival]:
+    """One traffic class's arrivals: times from `times_rng`, lengths from `lengths_rng`
+    (separate generators, so a class's lengths can change without moving its times)."""
+    prompt, output = prompt_tokens.draw, output_tokens.draw
+    for t_s, k in process.stream(times_rng, num_tenants, duration_s):
+        yield Arrival(t_s, first_tenant + k, prompt(lengths_rng), output(lengths_rng),
+                      max_tokens)
+
+
+def merge_arrivals(streams: list[Iterator[Arrival]]) -> Iterator[Arrival]:
+    """The streams' arrivals in time order; ties go to the earlier stream."""
+    heap: list[tuple[float, int, Arrival, Iterator[Arrival]]] = []
+    for i, it in enumerate(streams):
+        first = next(it, None)
+        if first is not None:
+            heap.append((first.t_s, i, first, it))
+    heapq.heapify(heap)
+    # (t_s, stream index) is unique within the heap, so Arrivals are never compared.
+    while heap:
+        _, i, arrival, it = heap[0]
+        yield arrival
+        nxt = next(it, None)
+        if nxt is None:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (nxt.t_s, i, nxt, it))

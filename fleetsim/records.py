@@ -15,16 +15,22 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Arrival:
-    """One request arriving at the pool, in simulated seconds from the start."""
+    """One request arriving at the pool, in simulated seconds from the start. (Its
+    `__init__` written out: mypyc compiles it, one call per request; see `state`.)"""
 
     t_s: float
     tenant: int  # index into TenantTable.names
     prompt_tokens: int
     output_tokens: int  # what the model would generate if not cut (natural length)
     max_tokens: int  # the request's cap; generated = min(output_tokens, max_tokens)
-    priority: int = 0  # within the tenant (higher first), as InferenceRequest.priority
+    priority: int  # within the tenant (higher first), as InferenceRequest.priority
+
+    def __init__(self, t_s: float, tenant: int, prompt_tokens: int, output_tokens: int,
+                 max_tokens: int, priority: int = 0) -> None:
+        self.t_s, self.tenant, self.prompt_tokens = t_s, tenant, prompt_tokens
+        self.output_tokens, self.max_tokens, self.priority = output_tokens, max_tokens, priority
 
 
 @dataclass(slots=True)

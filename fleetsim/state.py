@@ -1,6 +1,9 @@
 """The fleet simulator's records (`fleetsim.fleet`): settings, requests, workers, runs.
 
 Plain data, no behaviour beyond a run's step times, so that `fleet` holds the events.
+The records made per request or per run (`Req`, `Pull`, `Run`) spell out their
+`__init__` (`init=False`): mypyc compiles a written one to C, while a dataclass's
+generated one stays interpreted, ~5x slower to call (a few per request, millions a run).
 """
 
 from __future__ import annotations
@@ -36,32 +39,44 @@ class FleetSettings:
     batch_runs: bool = True
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Req:
     """A request's life in the simulation (the QueuedRequest's payload)."""
 
     arrival: Arrival
     tenant: str
-    num_generated: int = 0  # tokens its client has (continuations start here)
-    first_token_ms: float | None = None
-    preemptions: int = 0
-    started: bool = False  # this attempt's first token went out (the message's ack)
+    num_generated: int  # tokens its client has (continuations start here)
+    first_token_ms: float | None
+    preemptions: int
+    started: bool  # this attempt's first token went out (the message's ack)
     # Tokens are reported per sequence when it leaves the batch (or is preempted):
     # those after `tok_out`, spread over [tok_ms, then].
-    tok_ms: float = 0.0
-    tok_out: int = 0
+    tok_ms: float
+    tok_out: int
+
+    def __init__(self, arrival: Arrival, tenant: str) -> None:
+        self.arrival, self.tenant = arrival, tenant
+        self.num_generated, self.first_token_ms, self.preemptions = 0, None, 0
+        self.started, self.tok_ms, self.tok_out = False, 0.0, 0
 
 
-@dataclass(eq=False, slots=True, kw_only=True)
+@dataclass(eq=False, slots=True, kw_only=True, init=False)
 class Pull(PullShare):
     """A worker's pull waiting at the dispatcher (`fairlane.protocol.PullRequest`)."""
 
-    key: int = 0
+    key: int  # set when it reaches the dispatcher
     worker: Worker
     expires_ms: float
 
+    def __init__(self, *, max_items: int, free_slots: int, free_kv_tokens: int,
+                 worker: Worker, expires_ms: float, key: int = 0) -> None:
+        # Not super(): a slots dataclass is a new class, which zero-argument super()
+        # does not see.
+        PullShare.__init__(self, max_items, free_slots, free_kv_tokens)
+        self.key, self.worker, self.expires_ms = key, worker, expires_ms
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Run:
     """Steps in progress on a worker, applied to its core when they end or are cut:
     step j (1..k) ends at `end_of(j)` (`BatchCore.run_coeffs`: a + b*i ms for step i
@@ -76,6 +91,13 @@ class Run:
     step_ms: float  # a one-step run's duration
     admitted: list[Seq]  # admitted by its schedule (then k == 1): their first tokens
     version: int
+
+    def __init__(self, start_ms: float, k: int, a_ms: float, b_ms: float, pre_ms: float,
+                 prefill_tokens: int, step_ms: float, admitted: list[Seq],
+                 version: int) -> None:
+        self.start_ms, self.k, self.a_ms, self.b_ms = start_ms, k, a_ms, b_ms
+        self.pre_ms, self.prefill_tokens, self.step_ms = pre_ms, prefill_tokens, step_ms
+        self.admitted, self.version = admitted, version
 
     def end_of(self, j: int) -> float:
         if not j:

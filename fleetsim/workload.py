@@ -32,7 +32,6 @@ tenants file would; only the per-tenant copies are built here, for speed.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import os
 import random
@@ -61,7 +60,9 @@ from fleetsim.processes import (
     Fields,
     Process,
     WorkloadError,
+    class_arrivals,
     kind_of,
+    merge_arrivals,
     parse_dist,
     parse_process,
 )
@@ -95,14 +96,13 @@ class TrafficClass:
         return self.name if self.num_tenants == 1 else f"{self.name}-{k}"
 
     def arrivals(self, seed: int, duration_s: float) -> Iterator[Arrival]:
-        # Times and lengths from separate generators, keyed by the class's name rather
-        # than its position: editing one class's lengths, or adding a class, leaves the
-        # other streams' arrival times as they were (comparable runs).
-        times_rng, lengths_rng = _rng(seed, self.name, "times"), _rng(seed, self.name, "lengths")
-        first, max_tokens = self.first_tenant, self.max_tokens
-        prompt, output = self.prompt_tokens.draw, self.output_tokens.draw
-        for t_s, k in self.process.stream(times_rng, self.num_tenants, duration_s):
-            yield Arrival(t_s, first + k, prompt(lengths_rng), output(lengths_rng), max_tokens)
+        # Generators keyed by the class's name rather than its position: editing one
+        # class's lengths, or adding a class, leaves the other streams' arrival times
+        # as they were (comparable runs).
+        return class_arrivals(self.process, self.prompt_tokens, self.output_tokens,
+                              self.first_tenant, self.num_tenants, self.max_tokens,
+                              _rng(seed, self.name, "times"), _rng(seed, self.name, "lengths"),
+                              duration_s)
 
 
 def _rng(seed: int, class_name: str, purpose: str) -> random.Random:
@@ -151,24 +151,8 @@ class Workload:
         the same for the same seed. A fresh iterator each call; `seed` and `duration_s`
         are read at the call, so a caller may override them after loading."""
         if self._replay is not None:
-            yield from self._replay.arrivals(self.duration_s)
-            return
-        heap: list[tuple[float, int, Arrival, Iterator[Arrival]]] = []
-        for i, c in enumerate(self.classes):
-            it = c.arrivals(self.seed, self.duration_s)
-            first = next(it, None)
-            if first is not None:
-                heap.append((first.t_s, i, first, it))
-        heapq.heapify(heap)
-        # (t_s, class index) is unique within the heap, so Arrivals are never compared.
-        while heap:
-            _, i, arrival, it = heap[0]
-            yield arrival
-            nxt = next(it, None)
-            if nxt is None:
-                heapq.heappop(heap)
-            else:
-                heapq.heapreplace(heap, (nxt.t_s, i, nxt, it))
+            return self._replay.arrivals(self.duration_s)
+        return merge_arrivals([c.arrivals(self.seed, self.duration_s) for c in self.classes])
 
     def expected_requests(self) -> float:
         """The mean number of arrivals over `duration_s` (exact for a replay)."""

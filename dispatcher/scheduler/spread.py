@@ -35,16 +35,22 @@ P = TypeVar("P")
 NOTHING_ELIGIBLE = -1
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, init=False)
 class PullShare:
     """A waiting pull's room (`fairlane.protocol.PullRequest`) and what the serving
-    pass has given it so far."""
+    pass has given it so far. (`__init__` written out: compiled by mypyc for the fleet
+    simulator, which makes one per pull.)"""
 
     max_items: int
     free_slots: int  # of max_items, how many would start at once
     free_kv_tokens: int  # 0: the worker gave no KV figure (unbounded)
+    # (The defaults are what the dataclass `__init__` of a subclass gives.)
     given: list[Dispatch] = field(default_factory=list)
     kv_given: int = 0
+
+    def __init__(self, max_items: int, free_slots: int, free_kv_tokens: int) -> None:
+        self.max_items, self.free_slots, self.free_kv_tokens = max_items, free_slots, free_kv_tokens
+        self.given, self.kv_given = [], 0
 
     def room_now(self) -> int:  # free slots not yet given work in this pass
         return min(self.free_slots, self.max_items) - len(self.given)
