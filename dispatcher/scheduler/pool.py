@@ -217,6 +217,10 @@ class PoolCore:
 
     def _remember(self, actions: list[Action], now_ms: float) -> list[Action]:
         """Note every request these actions end (finished, failed, dropped, cancelled)."""
+        if not actions:
+            # Most calls (every worker message passes here): nothing ended. Entries past
+            # their TTL wait for the next call with actions (`_ended_entry` checks it).
+            return actions
         self.observer.ended(actions, now_ms)
         errors = {a.request.request_id: a for a in actions if isinstance(a, SendError)}
         for a in actions:
