@@ -30,7 +30,9 @@ simulated time reached, and the hour is extrapolated from its steady-state rate
 `fairlane simulate --compiled` (the same modules compiled with mypyc,
 `fleetsim.compiled`; built before the first run, not timed), one after the other, the
 order reversed every other scale. The simulation is the same (the rows' requests,
-busy and TTFT agree); only the wall time differs.
+busy and TTFT agree); only the wall time differs. `--reps N` runs all of it N times,
+repetition after repetition (interleaved); a row then gives the median and min–max of
+its times (`bench/render_scale.py`, which BENCHMARKS.md's table comes from too).
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ import yaml
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RunMeta, fmt_num, run_children, write_results  # noqa: E402
+from bench.harness import RunMeta, run_children, write_results  # noqa: E402
+from bench.render_scale import TARGET_SCALE, scale_table, target_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "simulate_scale.md"
 TEMPLATE = ROOT / "bench" / "workloads" / "scale.yaml"
 TITLE = "Fleet simulator speed: workers x tenants x simulated time"
-TARGET_WALL_S = 600.0  # issue 12: the hour in under 10 minutes
 HOUR_S = 3600.0
 WARMUP_S = 10.0
 OUTPUT = {"dist": "uniform", "min": 128, "max": 384}
@@ -205,7 +207,10 @@ HOW_TO_READ = f"""\
 One row per scale and variant: `workers x tenants`, {TEMPLATE.relative_to(ROOT)}'s traffic
 mix scaled to it (module docstring), outputs 128-384 tokens, preemption on (the pool's
 default), drr. *variant*: `interpreted` is `fairlane simulate`, `compiled` is `fairlane
-simulate --compiled` (the same modules compiled with mypyc, `fleetsim.compiled`). *wall s* is `Fleet.run` alone (perf_counter); *cpu s* its process time (the
+simulate --compiled` (the same modules compiled with mypyc, `fleetsim.compiled`). *reps*:
+the row's repetitions; its times are their median (min–max), its simulation's columns
+the same in each (the simulator is deterministic; "differs" if not). *wall s* is
+`Fleet.run` alone (perf_counter); *cpu s* its process time (the
 machine's 2 cores are shared with other work: where wall and cpu differ, something else
 ran). *sim-s / wall-s* over the whole run, *steady* from {WARMUP_S:g} simulated s on (the
 empty fleet's first seconds are cheaper). *hour, wall* is the time one simulated hour
@@ -215,41 +220,17 @@ is the child process's own (getrusage), with Python, numpy and the scheduler loa
 
 
 def report(runs: list[dict]) -> str:
-    lines = ["| workers x tenants | variant | simulated s | wall s | cpu s | sim-s / wall-s "
-             "| steady | hour, wall | peak RSS MiB | requests | req / wall-s | busy "
-             "| TTFT p50 / p99 s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in runs:
-        hour = fmt_num(r["hour_wall_s"] / 60, 1) + " min"
-        if r["hour_extrapolated"]:
-            hour += " (extrapolated)"
-        ttft = f"{fmt_num(r['ttft_p50_s'], 3)} / {fmt_num(r['ttft_p99_s'], 3)}"
-        sim = fmt_num(r["simulated_s"], 0) + (" (stopped)" if r["stopped_early"] else "")
-        lines.append(
-            f"| {r['workers']:,} x {r['tenants']:,} | {r.get('variant', 'interpreted')} "
-            f"| {sim} | {fmt_num(r['wall_s'])} "
-            f"| {fmt_num(r['cpu_s'])} | {fmt_num(r['sim_s_per_wall_s'], 2)} "
-            f"| {fmt_num(r['steady_sim_s_per_wall_s'], 2)} | {hour} | {fmt_num(r['peak_rss_mib'])} "
-            f"| {r['arrivals']:,} | {fmt_num(r['arrivals_per_wall_s'], 0)} "
-            f"| {fmt_num(100 * (r['busy_fraction'] or 0), 0)}% | {ttft} |")
-    lines += ["", "Peak RSS so far (MiB) along each run, at simulated s (flat = bounded):", ""]
+    lines = [scale_table(runs), "",
+             "Peak RSS so far (MiB) along each run, at simulated s (flat = bounded):", ""]
     for r in runs:
         cps = r["checkpoints"]
         picks = cps[:: max(1, len(cps) // 8)] + ([cps[-1]] if len(cps) % 8 else [])
         marks = ", ".join(f"{c[0]:,.0f}: {c[3]:,.0f}" for c in dict.fromkeys(
             tuple(c) for c in picks))
         lines.append(f"- {r['workers']:,} x {r['tenants']:,}, "
-                     f"{r.get('variant', 'interpreted')}: {marks}")
-    big = [r for r in runs if r["workers"] >= 1000 and r["tenants"] >= 100_000]
-    if big:
-        lines.append("")
-    for r in big:
-        verdict = "met" if r["hour_wall_s"] <= TARGET_WALL_S else "missed"
-        lines.append(f"**Target (1,000 x 100,000 x one simulated hour in < 10 min), "
-                     f"{r.get('variant', 'interpreted')}: {verdict}** — "
-                     f"{fmt_num(r['hour_wall_s'] / 60, 1)} min"
-                     + (" (extrapolated)" if r["hour_extrapolated"] else "")
-                     + f", {fmt_num(r['hour_wall_s'] / TARGET_WALL_S, 1)}x the target.")
+                     f"{r.get('variant', 'interpreted')}, rep {r.get('rep', 0)}: {marks}")
+    if any((r["workers"], r["tenants"]) == TARGET_SCALE for r in runs):
+        lines += ["", target_line({"runs": runs})]
     return "\n".join(lines)
 
 
@@ -267,6 +248,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--variants", default="interpreted",
                     help="interpreted and/or compiled (fleetsim.compiled), comma-separated")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repetitions of every scale and variant (>= 5 for a headline)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     default_s, per_scale = 3600.0, {}
@@ -277,9 +260,11 @@ def main() -> None:
         else:
             default_s = float(part)
     if a.child:
-        scale, _, variant = a.child.partition("@")
+        scale, _, rest = a.child.partition("@")
+        variant, _, rep = rest.partition("#")
         w, t = parse_scale(scale)
-        print(json.dumps(child(a, w, t, per_scale.get(scale.lower(), default_s), variant)))
+        out = child(a, w, t, per_scale.get(scale.lower(), default_s), variant)
+        print(json.dumps(out | {"rep": int(rep or 0)}))
         return
     variants = a.variants.split(",")
     if unknown := set(variants) - {"interpreted", "compiled"}:
@@ -290,9 +275,12 @@ def main() -> None:
 
         build_dir = compiled.build()
         env_for = (lambda item: compiled.env(build_dir)  # noqa: E731
-                   if item.endswith("@compiled") else None)
-    items = [f"{scale}@{v}" for i, scale in enumerate(a.scales.split(","))
-             for v in (variants if i % 2 == 0 else variants[::-1])]
+                   if "@compiled" in item else None)
+    # Repetition by repetition, every scale in each; the variants' order alternates
+    # from one (scale, repetition) to the next, so neither always runs first.
+    scales = a.scales.split(",")
+    items = [f"{scale}@{v}#{rep}" for rep in range(a.reps) for i, scale in enumerate(scales)
+             for v in (variants if (rep * len(scales) + i) % 2 == 0 else variants[::-1])]
     meta = RunMeta.here()
     runs, (load0, load1) = run_children(__file__, items, env_for)
     body = report(runs) + f"\n\nLoad average before / after: {load0} / {load1}.\n"

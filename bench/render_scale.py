@@ -3,21 +3,23 @@ bench/bench_simulate_scale.py writes ({"meta", "data": {"runs": [{"workers",
 "tenants", "slots", "load_target", "duration_s", "simulated_s", "stopped_early",
 "wall_s", "cpu_s", "sim_s_per_wall_s", "steady_sim_s_per_wall_s", "hour_wall_s",
 "hour_extrapolated", "peak_rss_mib", "arrivals", "arrivals_per_wall_s",
-"busy_fraction", "ttft_p50_s", "ttft_p99_s", "checkpoints", "variant", ...}],
+"busy_fraction", "ttft_p50_s", "ttft_p99_s", "checkpoints", "variant", "rep", ...}],
 "load_avg", "args"}}); a run without "variant" is an interpreted one (files before the
-compiled variant).
+compiled variant), one without "rep" the only repetition (files before `--reps`).
 
-One run per scale and variant: the simulator is deterministic (the same arrivals, first
-tokens and finishes every run), so only the wall time varies, and it is reported from
-one run. Variants: `interpreted` (`fairlane simulate`) and `compiled` (`--compiled`, the
-same modules compiled with mypyc).
+The runs of one scale and variant (its repetitions) make one row: the simulator is
+deterministic (the same arrivals, first tokens and finishes every run), so the
+simulation's columns come from the first repetition (marked "differs" if another
+disagrees), and the times are the median with the min–max over the repetitions.
+Variants: `interpreted` (`fairlane simulate`) and `compiled` (`--compiled`, the same
+modules compiled with mypyc).
 The table has the columns of bench/results/simulate_scale.md's (the same text:
-tests/unit/test_render_scale.py compares it with bench_simulate_scale.report). Pure:
-no fleet, no clock."""
+bench_simulate_scale.report calls `scale_table` and `target_line`). Pure: no fleet,
+no clock."""
 
 from __future__ import annotations
 
-from bench.harness import fmt_num
+from bench.harness import fmt_num, summarize
 from bench.render_common import (
     RenderError,
     Results,
@@ -31,11 +33,12 @@ STEM = "simulate_scale"  # the Summary row's results file
 TARGET_SCALE = (1000, 100_000)  # issue 12: workers, tenants
 TARGET_WALL_S = 600.0  # one simulated hour in under 10 minutes
 SECOND_SCALE = (100, 10_000)  # the Summary row's second figure
-HEADER = ["workers x tenants", "variant", "simulated s", "wall s", "cpu s", "sim-s / wall-s", "steady",
-          "hour, wall", "peak RSS MiB", "requests", "req / wall-s", "busy", "TTFT p50 / p99 s"]
+HEADER = ["workers x tenants", "variant", "reps", "simulated s", "wall s", "cpu s",
+          "sim-s / wall-s", "steady", "hour, wall", "peak RSS MiB", "requests", "req / wall-s",
+          "busy", "TTFT p50 / p99 s"]
 
 
-# --- per run ---------------------------------------------------------------------------------
+# --- per scale and variant: its repetitions ---------------------------------------------------
 
 
 def runs_of(data: dict) -> list[dict]:
@@ -49,49 +52,78 @@ def variant_of(r: dict) -> str:
     return r.get("variant") or "interpreted"
 
 
-def find_runs(data: dict, scale: tuple[int, int]) -> list[dict]:
-    """The runs of (workers, tenants), one per variant (the last of each), in run order."""
-    last = {variant_of(r): r for r in runs_of(data) if (r["workers"], r["tenants"]) == scale}
-    return sorted(last.values(), key=runs_of(data).index)
+def groups_of(runs: list[dict]) -> list[list[dict]]:
+    """The runs grouped by (workers, tenants, variant), in order of first appearance;
+    within a group, in run order (its repetitions)."""
+    out: dict[tuple[int, int, str], list[dict]] = {}
+    for r in runs:
+        out.setdefault((r["workers"], r["tenants"], variant_of(r)), []).append(r)
+    return list(out.values())
 
 
-def find_run(data: dict, scale: tuple[int, int], variant: str | None = None) -> dict | None:
-    """The run of (workers, tenants) in `variant`, or the fastest variant's; None if none."""
-    hits = [r for r in find_runs(data, scale) if variant in (None, variant_of(r))]
-    return min(hits, key=lambda r: r["hour_wall_s"]) if hits else None
+def find_runs(data: dict, scale: tuple[int, int]) -> list[list[dict]]:
+    """The groups (one per variant) of (workers, tenants), in run order."""
+    return [g for g in groups_of(runs_of(data)) if (g[0]["workers"], g[0]["tenants"]) == scale]
+
+
+def hour_s(g: list[dict]) -> float:
+    """The median wall time of one simulated hour over the group's repetitions."""
+    return summarize(r["hour_wall_s"] for r in g).median
+
+
+def find_run(data: dict, scale: tuple[int, int], variant: str | None = None) -> list[dict] | None:
+    """The group of (workers, tenants) in `variant`, or the fastest variant's (median
+    hour); None if none."""
+    hits = [g for g in find_runs(data, scale) if variant in (None, variant_of(g[0]))]
+    return min(hits, key=hour_s) if hits else None
 
 
 def scale_name(r: dict, times: str = "x") -> str:
     return f"{r['workers']:,} {times} {r['tenants']:,}"
 
 
-def hour_text(r: dict) -> str:
-    """The wall time of one simulated hour, "(extrapolated)" where the run was shorter
-    or stopped early."""
-    return fmt_num(r["hour_wall_s"] / 60, 1) + " min" + (
-        " (extrapolated)" if r["hour_extrapolated"] else "")
+def med(g: list[dict], key: str, digits: int = 1, scale: float = 1.0) -> str:
+    """The median of `key` over the repetitions, then (min–max) when there are several."""
+    return summarize(r[key] * scale for r in g).fmt(digits)
 
 
-def target_verdict(r: dict) -> str:
-    return "met" if r["hour_wall_s"] <= TARGET_WALL_S else "missed"
+def hour_text(g: list[dict]) -> str:
+    """The wall time of one simulated hour (median, range), "(extrapolated)" where the
+    runs were shorter or stopped early."""
+    return med(g, "hour_wall_s", 1, 1 / 60) + " min" + (
+        " (extrapolated)" if any(r["hour_extrapolated"] for r in g) else "")
+
+
+def target_verdict(g: list[dict]) -> str:
+    return "met" if hour_s(g) <= TARGET_WALL_S else "missed"
+
+
+def _same(g: list[dict], text: str, *keys: str) -> str:
+    """`text` (from the first repetition), flagged if another repetition simulated
+    something else (the simulator is deterministic: it should not)."""
+    first = [g[0][k] for k in keys]
+    return text if all([r[k] for k in keys] == first for r in g) else f"{text} (differs)"
 
 
 # --- tables ----------------------------------------------------------------------------------
 
 
-def table_row(r: dict) -> list[str]:
-    sim = fmt_num(r["simulated_s"], 0) + (" (stopped)" if r["stopped_early"] else "")
-    return [scale_name(r), variant_of(r), sim, fmt_num(r["wall_s"]), fmt_num(r["cpu_s"]),
-            fmt_num(r["sim_s_per_wall_s"], 2), fmt_num(r["steady_sim_s_per_wall_s"], 2),
-            hour_text(r), fmt_num(r["peak_rss_mib"]), f"{r['arrivals']:,}",
-            fmt_num(r["arrivals_per_wall_s"], 0),
-            f"{fmt_num(100 * (r['busy_fraction'] or 0), 0)}%",
-            f"{fmt_num(r['ttft_p50_s'], 3)} / {fmt_num(r['ttft_p99_s'], 3)}"]
+def table_row(g: list[dict]) -> list[str]:
+    r = g[0]
+    sim = fmt_num(r["simulated_s"], 0) + (
+        " (stopped)" if any(x["stopped_early"] for x in g) else "")
+    return [scale_name(r), variant_of(r), str(len(g)), _same(g, sim, "simulated_s"),
+            med(g, "wall_s"), med(g, "cpu_s"), med(g, "sim_s_per_wall_s", 2),
+            med(g, "steady_sim_s_per_wall_s", 2), hour_text(g), med(g, "peak_rss_mib"),
+            _same(g, f"{r['arrivals']:,}", "arrivals"), med(g, "arrivals_per_wall_s", 0),
+            _same(g, f"{fmt_num(100 * (r['busy_fraction'] or 0), 0)}%", "busy_fraction"),
+            _same(g, f"{fmt_num(r['ttft_p50_s'], 3)} / {fmt_num(r['ttft_p99_s'], 3)}",
+                  "ttft_p50_s", "ttft_p99_s")]
 
 
 def scale_table(runs: list[dict]) -> str:
-    """One row per scale and variant, in run order."""
-    return table(HEADER, "ll" + "r" * (len(HEADER) - 2), [table_row(r) for r in runs])
+    """One row per scale and variant (its repetitions), in run order."""
+    return table(HEADER, "lll" + "r" * (len(HEADER) - 3), [table_row(g) for g in groups_of(runs)])
 
 
 def setup_text(data: dict) -> str:
@@ -99,9 +131,12 @@ def setup_text(data: dict) -> str:
     slots = sorted({r["slots"] for r in runs})
     loads = sorted({r["load_target"] for r in runs})
     variants = sorted({variant_of(r) for r in runs})
+    reps = sorted({len(g) for g in groups_of(runs)})
     return (
-        f"One run per scale and variant ({', '.join(variants)}; the simulator is "
-        f"deterministic: only the wall time varies); *compiled* is `fairlane simulate "
+        f"{'/'.join(map(str, reps))} repetition(s) per scale and variant "
+        f"({', '.join(variants)}), run interleaved, the variants' order alternated; times "
+        f"are the median (min–max), the simulation's columns the same every repetition "
+        f"(the simulator is deterministic); *compiled* is `fairlane simulate "
         f"--compiled` (the same modules compiled with mypyc, `fleetsim.compiled`); "
         f"bench/workloads/scale.yaml's mix scaled to each size, "
         f"{'/'.join(map(str, slots))} slots per worker, arrival rates for "
@@ -113,14 +148,15 @@ def setup_text(data: dict) -> str:
 
 
 def target_line(data: dict) -> str:
-    """The verdict, one line per variant run at the target scale."""
-    runs = find_runs(data, TARGET_SCALE)
-    if not runs:
+    """The verdict, one line per variant run at the target scale (on the median)."""
+    groups = find_runs(data, TARGET_SCALE)
+    if not groups:
         raise RenderError(f"no {TARGET_SCALE[0]:,} x {TARGET_SCALE[1]:,} run in the results")
     return "\n\n".join(
-        f"**Target ({scale_name(r, '×')} × one simulated hour in < {TARGET_WALL_S / 60:g} "
-        f"min), {variant_of(r)}: {target_verdict(r)}** — {hour_text(r)}, "
-        f"{fmt_num(r['hour_wall_s'] / TARGET_WALL_S, 1)}× the target." for r in runs)
+        f"**Target ({scale_name(g[0], '×')} × one simulated hour in < {TARGET_WALL_S / 60:g} "
+        f"min), {variant_of(g[0])}: {target_verdict(g)}** — {hour_text(g)}, "
+        f"{fmt_num(hour_s(g) / TARGET_WALL_S, 1)}× the target (median of {len(g)})."
+        for g in groups)
 
 
 # --- BENCHMARKS.md ---------------------------------------------------------------------------
@@ -135,24 +171,25 @@ def scale_kind(res: Results, args: list[str], _old: str) -> str:
 
 def summary_scale(res: Results) -> list[str]:
     data = res.load(STEM).get("data", {})
-    r = find_run(data, TARGET_SCALE)
-    if r is None:
+    g = find_run(data, TARGET_SCALE)
+    if g is None:
         raise RenderError(f"no {TARGET_SCALE[0]:,} x {TARGET_SCALE[1]:,} run in {STEM}.json")
+    r = g[0]
     how = (f"extrapolated from {fmt_num(r['simulated_s'], 0)} simulated s"
-           if r["hour_extrapolated"] else "measured")
-    measured = (f"**{fmt_num(r['sim_s_per_wall_s'], 2)} sim-s per wall-s** {variant_of(r)} "
-                f"(an hour ≈ {fmt_num(r['hour_wall_s'] / 60, 1)} min, {how})")
+           if any(x["hour_extrapolated"] for x in g) else "measured")
+    measured = (f"**{med(g, 'sim_s_per_wall_s', 2)} sim-s per wall-s** {variant_of(r)}, "
+                f"median of {len(g)} (an hour ≈ {med(g, 'hour_wall_s', 1, 1 / 60)} min, {how})")
     for other in find_runs(data, TARGET_SCALE):
-        if other is not r:
-            measured += (f"; {variant_of(other)}: {fmt_num(other['sim_s_per_wall_s'], 2)} "
-                         f"(an hour ≈ {fmt_num(other['hour_wall_s'] / 60, 1)} min)")
+        if variant_of(other[0]) != variant_of(r):
+            measured += (f"; {variant_of(other[0])}: {med(other, 'sim_s_per_wall_s', 2)} "
+                         f"(an hour ≈ {med(other, 'hour_wall_s', 1, 1 / 60)} min)")
     second = find_run(data, SECOND_SCALE, variant_of(r))
     if second is not None:
-        measured += (f"; {scale_name(second, '×')}: {fmt_num(second['sim_s_per_wall_s'], 1)} "
-                     f"(an hour in {hour_text(second)})")
-    verdict = target_verdict(r)
+        measured += (f"; {scale_name(second[0], '×')}: "
+                     f"{med(second, 'sim_s_per_wall_s', 1)} (an hour in {hour_text(second)})")
+    verdict = target_verdict(g)
     target = f"< {TARGET_WALL_S / 60:g} min — {verdict}" + (
-        f" ({fmt_num(r['hour_wall_s'] / TARGET_WALL_S, 1)}×)" if verdict == "missed" else "")
+        f" ({fmt_num(hour_s(g) / TARGET_WALL_S, 1)}×)" if verdict == "missed" else "")
     claim = (f"§9 fleet simulator: {r['workers']:,} workers × {r['tenants']:,} tenants × 1 "
              "simulated hour")
     return [claim, measured, target, row_source(res, STEM)]

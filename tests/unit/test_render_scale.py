@@ -16,8 +16,9 @@ pytestmark = pytest.mark.unit
 
 
 def _run(workers: int, tenants: int, simulated_s: float, wall_s: float, hour_wall_s: float,
-         extrapolated: bool, stopped: bool = False, variant: str = "interpreted") -> dict:
-    return {"variant": variant, "workers": workers, "tenants": tenants, "slots": 32, "load_target": 0.8,
+         extrapolated: bool, stopped: bool = False, variant: str = "interpreted",
+         rep: int = 0) -> dict:
+    return {"variant": variant, "rep": rep, "workers": workers, "tenants": tenants, "slots": 32, "load_target": 0.8,
             "duration_s": 3600.0, "simulated_s": simulated_s, "stopped_early": stopped,
             "wall_s": wall_s, "cpu_s": wall_s - 0.1, "sim_s_per_wall_s": simulated_s / wall_s,
             "steady_sim_s_per_wall_s": 3600.0 / hour_wall_s, "hour_wall_s": hour_wall_s,
@@ -43,29 +44,55 @@ def _results(tmp_path: Path, data: dict, stem: str = rsc.STEM) -> Results:
     return Results(tmp_path, "res")
 
 
-def test_table_is_the_bench_markdowns_table():
-    runs = _data()["runs"]
-    assert rsc.scale_table(runs) == bench_report(runs).split("\n\n")[0]
+def test_the_bench_markdown_has_the_table_each_runs_memory_and_the_verdict():
+    runs = [*_data()["runs"], _run(1000, 100_000, 600.0, 410.0, 2460.0, True, rep=1)]
+    parts = bench_report(runs).split("\n\n")
+    assert parts[0] == rsc.scale_table(runs)
+    assert parts[2].splitlines() == [
+        "- 100 x 10,000, interpreted, rep 0: 0: 70, 3,600: 100",
+        "- 1,000 x 100,000, interpreted, rep 0: 0: 70, 600: 100",
+        "- 1,000 x 100,000, interpreted, rep 1: 0: 70, 600: 100"]
+    assert parts[3] == rsc.target_line({"runs": runs})
 
 
 def test_rows_and_target_verdict():
     data = _data()
     lines = rsc.scale_table(data["runs"]).splitlines()
-    assert lines[2] == ("| 100 x 10,000 | interpreted | 3,600 | 300.0 | 299.9 | 12.00 | 12.00 | 5.0 min | "
-                        "100.2 | 1,234,567 | 4,115 | 81% | 0.042 / 0.163 |")
-    assert lines[3] == ("| 1,000 x 100,000 | interpreted | 600 | 400.0 | 399.9 | 1.50 | 1.50 | 40.0 min "
-                        "(extrapolated) | 100.2 | 1,234,567 | 3,086 | 81% | 0.042 / 0.163 |")
+    assert lines[2] == ("| 100 x 10,000 | interpreted | 1 | 3,600 | 300.0 | 299.9 | 12.00 | 12.00 | "
+                        "5.0 min | 100.2 | 1,234,567 | 4,115 | 81% | 0.042 / 0.163 |")
+    assert lines[3] == ("| 1,000 x 100,000 | interpreted | 1 | 600 | 400.0 | 399.9 | 1.50 | 1.50 | "
+                        "40.0 min (extrapolated) | 100.2 | 1,234,567 | 3,086 | 81% | 0.042 / 0.163 |")
     assert rsc.target_line(data) == ("**Target (1,000 × 100,000 × one simulated hour in < 10 "
                                      "min), interpreted: missed** — 40.0 min (extrapolated), "
-                                     "4.0× the target.")
-    assert rsc.target_verdict(_data(600.0)["runs"][1]) == "met"  # exactly 10 min
-    assert rsc.target_verdict(_data(601.0)["runs"][1]) == "missed"
+                                     "4.0× the target (median of 1).")
+    assert rsc.target_verdict([_data(600.0)["runs"][1]]) == "met"  # exactly 10 min
+    assert rsc.target_verdict([_data(601.0)["runs"][1]]) == "missed"
 
 
 def test_a_stopped_run_says_so():
-    r = _run(1000, 100_000, 240.0, 900.0, 13_500.0, True, stopped=True)
-    assert rsc.table_row(r)[2] == "240 (stopped)"
-    assert rsc.hour_text(r) == "225.0 min (extrapolated)"
+    g = [_run(1000, 100_000, 240.0, 900.0, 13_500.0, True, stopped=True)]
+    assert rsc.table_row(g)[3] == "240 (stopped)"
+    assert rsc.hour_text(g) == "225.0 min (extrapolated)"
+
+
+def test_repetitions_make_one_row_median_and_range_and_a_disagreement_is_flagged(tmp_path):
+    """Three repetitions of 1,000 x 100,000: one row, the times' median (min–max);
+    the verdict and the Summary row on the median, not the fastest repetition."""
+    walls = [400.0, 380.0, 450.0]  # hours: 40, 38, 45 min
+    runs = [_run(1000, 100_000, 600.0, w, w * 6, True, rep=i) for i, w in enumerate(walls)]
+    row = rsc.table_row(runs)
+    assert row[:3] == ["1,000 x 100,000", "interpreted", "3"]
+    assert row[4] == "400.0 (380.0–450.0)"  # wall s
+    assert row[8] == "40.0 (38.0–45.0) min (extrapolated)"
+    assert row[10] == "1,234,567"  # the same simulation every repetition
+    assert rsc.table_row([*runs[:2], runs[2] | {"arrivals": 7}])[10] == "1,234,567 (differs)"
+    assert rsc.scale_table(runs).count("| 1,000 x 100,000 |") == 1
+    assert rsc.target_line({"runs": runs}).endswith(
+        "40.0 (38.0–45.0) min (extrapolated), 4.0× the target (median of 3).")
+    row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, {"runs": runs}))
+    assert row[1].startswith("**1.50 (1.33–1.58) sim-s per wall-s** interpreted, median of 3 "
+                             "(an hour ≈ 40.0 (38.0–45.0) min, extrapolated")
+    assert row[2] == "< 10 min — missed (4.0×)"
 
 
 def test_benchmarks_table(tmp_path):
@@ -76,7 +103,7 @@ def test_benchmarks_table(tmp_path):
                                "[`scale.json`](res/scale.json) (commit abc1234, "
                                "2030-01-02T03:04:05Z)")
     assert "32 slots per worker, arrival rates for 80% of the slots busy" in out
-    assert "| 1,000 x 100,000 | interpreted | 600 | 400.0 |" in out
+    assert "| 1,000 x 100,000 | interpreted | 1 | 600 | 400.0 |" in out
     assert lines[-1].startswith("**Target (1,000 × 100,000 × one simulated hour in < 10 "
                                 "min), interpreted: missed**")
     assert "old table" not in out
@@ -88,8 +115,8 @@ def test_summary_row_missed(tmp_path):
     row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, _data()))
     assert row == [
         "§9 fleet simulator: 1,000 workers × 100,000 tenants × 1 simulated hour",
-        "**1.50 sim-s per wall-s** interpreted (an hour ≈ 40.0 min, extrapolated from 600 "
-        "simulated s); "
+        "**1.50 sim-s per wall-s** interpreted, median of 1 (an hour ≈ 40.0 min, "
+        "extrapolated from 600 simulated s); "
         "100 × 10,000: 12.0 (an hour in 5.0 min)",
         "< 10 min — missed (4.0×)",
         "[simulate_scale](res/simulate_scale.md) (abc1234, 2030-01-02)"]
@@ -98,8 +125,8 @@ def test_summary_row_missed(tmp_path):
 def test_summary_row_met_and_measured(tmp_path):
     data = {"runs": [_run(1000, 100_000, 3600.0, 480.0, 480.0, False)]}
     row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
-    assert row[1] == ("**7.50 sim-s per wall-s** interpreted (an hour ≈ 8.0 min, "
-                      "measured)")  # no 100 x 10k
+    assert row[1] == ("**7.50 sim-s per wall-s** interpreted, median of 1 (an hour ≈ 8.0 "
+                      "min, measured)")  # no 100 x 10k
     assert row[2] == "< 10 min — met"
 
 
@@ -119,10 +146,10 @@ def test_two_variants_each_get_a_row_and_a_verdict_the_fastest_leads_the_summary
     assert [v.split("**")[1] for v in verdicts] == [
         "Target (1,000 × 100,000 × one simulated hour in < 10 min), compiled: missed",
         "Target (1,000 × 100,000 × one simulated hour in < 10 min), interpreted: missed"]
-    assert "80.0 min (extrapolated), 8.0× the target" in verdicts[0]
+    assert "80.0 min (extrapolated), 8.0× the target (median of 1)" in verdicts[0]
     row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
-    assert row[1] == ("**0.75 sim-s per wall-s** compiled (an hour ≈ 80.0 min, extrapolated "
-                      "from 600 simulated s); interpreted: 0.38 (an hour ≈ 160.0 min); "
+    assert row[1] == ("**0.75 sim-s per wall-s** compiled, median of 1 (an hour ≈ 80.0 min, "
+                      "extrapolated from 600 simulated s); interpreted: 0.38 (an hour ≈ 160.0 min); "
                       "100 × 10,000: 24.0 (an hour in 2.5 min)")
     assert row[2] == "< 10 min — missed (8.0×)"
 
