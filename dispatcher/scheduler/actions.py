@@ -19,28 +19,42 @@ Message settlement, in one table (DESIGN.md section 4):
 request's message (a WorkQueue stream deletes it then), the one record of "started"
 that survives lost events and broker restarts; the shell answers with
 `PoolCore.on_start_checked`.
+
+Actions are immutable: `frozen`, or, for the two made for every request (`Hold`,
+`Ack`), `Final` fields that mypy (and mypyc, which compiles this module for
+`fairlane simulate --compiled`) refuses to assign outside `__init__`. Those two write
+their `__init__`: mypyc compiles a written one to C, a dataclass's generated one stays
+interpreted (~10x slower to call for a frozen one, which sets each field through
+`object.__setattr__`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from dispatcher.scheduler.types import Dispatch, QueuedRequest
 from fairlane.errors import ErrorCode
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, init=False)
 class Hold:
     """Keep the request's message un-acked: it is queued (or waits for the restart
     grace to end) and must come back to another dispatcher if this one dies."""
 
-    request: QueuedRequest
+    request: Final[QueuedRequest]
+
+    def __init__(self, request: QueuedRequest) -> None:
+        self.request = request
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, init=False)
 class Ack:
-    request: QueuedRequest
-    reason: str  # started | finished | worker_lost | reconciled
+    request: Final[QueuedRequest]
+    reason: Final[str]  # started | finished | worker_lost | reconciled
+
+    def __init__(self, request: QueuedRequest, reason: str) -> None:
+        self.request, self.reason = request, reason
 
 
 @dataclass(slots=True, frozen=True)

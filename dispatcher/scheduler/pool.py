@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from dispatcher.scheduler.actions import (
     Ack,
@@ -86,11 +86,15 @@ class Status:
     error: SendError | None = None  # ENDED with an error: how
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, init=False)
 class _Ended:
-    attempt: int
-    error: SendError | None
-    ended_ms: float
+    # One per ended request: `__init__` written, `Final` fields (as types.Dispatch).
+    attempt: Final[int]
+    error: Final[SendError | None]
+    ended_ms: Final[float]
+
+    def __init__(self, attempt: int, error: SendError | None, ended_ms: float) -> None:
+        self.attempt, self.error, self.ended_ms = attempt, error, ended_ms
 
 
 class PoolCore:

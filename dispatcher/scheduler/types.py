@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from fairlane.protocol import ErrorCode
 
@@ -64,14 +64,26 @@ class TenantLoad:
     sampled_cost: float = 0.0
 
 
-@dataclass(slots=True)
+# The records made for every request (InFlight, Dispatch, ActualUsage) write their
+# `__init__`: mypyc compiles a written one (`fairlane simulate --compiled`), a
+# dataclass's generated one stays interpreted. Immutable ones have `Final` fields
+# (mypy and mypyc refuse to assign them outside `__init__`) instead of `frozen`,
+# whose `__init__` sets each field through `object.__setattr__`, ~10x slower.
+
+
+@dataclass(slots=True, init=False)
 class InFlight:
     """A dispatched request, as the core tracks it until it ends or goes back."""
 
     request: QueuedRequest
     tier_index: int
-    started: bool = False
-    started_ms: float | None = None  # when this run started (min_run_ms counts from it)
+    started: bool
+    started_ms: float | None  # when this run started (min_run_ms counts from it)
+
+    def __init__(self, request: QueuedRequest, tier_index: int, started: bool = False,
+                 started_ms: float | None = None) -> None:
+        self.request, self.tier_index = request, tier_index
+        self.started, self.started_ms = started, started_ms
 
 
 class Verdict(enum.Enum):
@@ -96,23 +108,31 @@ ACCEPTED = Admission(Verdict.ACCEPTED)
 DUPLICATE = Admission(Verdict.DUPLICATE)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, init=False)
 class Dispatch:
     """One scheduling decision: this request goes to the pulling worker."""
 
-    request: QueuedRequest
-    engine_priority: int  # vLLM convention: lower runs first; derived from the tier
-    cost: float
+    request: Final[QueuedRequest]
+    engine_priority: Final[int]  # vLLM convention: lower runs first; from the tier
+    cost: Final[float]
+
+    def __init__(self, request: QueuedRequest, engine_priority: int, cost: float) -> None:
+        self.request, self.engine_priority, self.cost = request, engine_priority, cost
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, init=False)
 class ActualUsage:
     """What a finished request really consumed, for the cost true-up."""
 
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    kv_token_seconds: float = 0.0
-    e2e_ms: float = 0.0
+    prompt_tokens: Final[int]
+    completion_tokens: Final[int]
+    kv_token_seconds: Final[float]
+    e2e_ms: Final[float]
+
+    def __init__(self, prompt_tokens: int = 0, completion_tokens: int = 0,
+                 kv_token_seconds: float = 0.0, e2e_ms: float = 0.0) -> None:
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
+        self.kv_token_seconds, self.e2e_ms = kv_token_seconds, e2e_ms
 
 
 @dataclass(slots=True, frozen=True)

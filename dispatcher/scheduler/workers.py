@@ -32,10 +32,14 @@ class WorkerState:
     kv_tokens_total: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _Assignment:
+    # One per dispatch: `__init__` written, for mypyc (as types.InFlight).
     worker_id: str
     assigned_ms: float
+
+    def __init__(self, worker_id: str, assigned_ms: float) -> None:
+        self.worker_id, self.assigned_ms = worker_id, assigned_ms
 
 
 class WorkerRegistry:
