@@ -6,7 +6,7 @@
 What is compiled (`MODULES`) is the source the interpreted run executes, unchanged:
 the production scheduler core (`dispatcher.scheduler`, all of it), the simulator
 engine's batching core and step model, the worker's pull-room rule, and fleetsim's
-event loop, state and recorder. mypyc turns each module into a C
+event loop, state, recorder and arrival streams. mypyc turns each module into a C
 extension; a compiled run gives the same result as an interpreted one, event for
 event (`tests/integration/test_sim_compiled.py` compares the summaries).
 
