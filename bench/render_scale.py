@@ -133,7 +133,7 @@ def setup_text(data: dict) -> str:
     variants = sorted({variant_of(r) for r in runs})
     reps = sorted({len(g) for g in groups_of(runs)})
     return (
-        f"{'/'.join(map(str, reps))} repetition(s) per scale and variant "
+        f"{'/'.join(map(str, reps))} repetition{'' if reps == [1] else 's'} per scale and variant "
         f"({', '.join(variants)}), run interleaved, the variants' order alternated; times "
         f"are the median (min–max), the simulation's columns the same every repetition "
         f"(the simulator is deterministic); *compiled* is `fairlane simulate "
