@@ -15,8 +15,8 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # Three tiers, a flood that preemption takes slots from, a tenant capped by
-# max_concurrent (quota-blocked: parked by DRR/VTC, skipped by fifo), bursts and
-# on/off traffic: every module the build compiles has work.
+# max_concurrent (quota-blocked: parked by DRR/VTC, skipped by fifo), every arrival
+# process and most length distributions: every module the build compiles has work.
 WORKLOAD = """
 duration_s: 40
 seed: 7
@@ -36,6 +36,11 @@ classes:
      arrival: {process: on_off, rate_per_s: 30, on_s: 3, off_s: 4},
      prompt_tokens: {dist: fixed, value: 64},
      output_tokens: {dist: uniform, min: 64, max: 256}, max_tokens: 256}
+  - {name: day, tier: free, count: 20,
+     arrival: {process: diurnal, rate_per_s: 0.1, amplitude: 0.5, period_s: 20,
+               phase_spread_s: 10},
+     prompt_tokens: {dist: lognormal, mean: 64, sigma: 0.5, max: 400},
+     output_tokens: {dist: choice, values: [16, 64], weights: [3, 1]}, max_tokens: 64}
 """
 
 
@@ -73,3 +78,27 @@ def test_compiled_run_gives_the_interpreted_result(tmp_path, cache, policy):
     built = list((Path(cache["FAIRLANE_CACHE_DIR"]) / "mypyc").iterdir())
     assert len(built) == 1 and (built[0] / "fleetsim").is_dir()
     assert any((built[0] / "fleetsim").glob("fleet.*.so"))
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("rate_per_s: 4}", "}", "classes[1].arrival.rate_per_s: required"),
+    ("process: on_off,", "process: onoff,", "classes[2].arrival.process: unknown process 'onoff'"),
+    ("lognormal, mean: 64,", "lognormal, mean: -1,", "classes[3].prompt_tokens.mean: must be > 0"),
+])
+def test_a_bad_workload_gets_the_same_answer_compiled(tmp_path, cache, old, new, message):
+    """The workload's fields are checked by compiled code too (processes.py): a missing,
+    unknown or out-of-range one is refused with the interpreted run's message."""
+    assert old in WORKLOAD
+    wl = tmp_path / "bad.yaml"
+    wl.write_text(WORKLOAD.replace(old, new, 1))
+    outs = []
+    for extra in ((), ("--compiled",)):
+        cmd = [sys.executable, "-m", "fleetsim", str(wl), "--workers", "1", "--out",
+               str(tmp_path / "out"), "--no-plots", *extra]
+        done = subprocess.run(cmd, env=cache, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=600, check=False)
+        outs.append((done.returncode, done.stdout))
+    (plain_rc, plain_out), (fast_rc, fast_out) = outs
+    assert plain_rc == fast_rc == 2, outs
+    assert message in plain_out and message in fast_out, outs
+    assert not (tmp_path / "out" / "simulate.json").exists()
