@@ -24,7 +24,7 @@ Actions are immutable: `frozen`, or, for the two made for every request (`Hold`,
 `Ack`), `Final` fields that mypy (and mypyc, which compiles this module for
 `fairlane simulate --compiled`) refuses to assign outside `__init__`. Those two write
 their `__init__`: mypyc compiles a written one to C, a dataclass's generated one stays
-interpreted (~10x slower to call for a frozen one, which sets each field through
+interpreted (~15x slower to call for a frozen one, which sets each field through
 `object.__setattr__`).
 """
 

@@ -68,7 +68,7 @@ class TenantLoad:
 # `__init__`: mypyc compiles a written one (`fairlane simulate --compiled`), a
 # dataclass's generated one stays interpreted. Immutable ones have `Final` fields
 # (mypy and mypyc refuse to assign them outside `__init__`) instead of `frozen`,
-# whose `__init__` sets each field through `object.__setattr__`, ~10x slower.
+# whose `__init__` sets each field through `object.__setattr__`, ~15x slower.
 
 
 @dataclass(slots=True, init=False)
