@@ -56,7 +56,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import RunMeta, run_children, write_results  # noqa: E402
-from bench.render_scale import TARGET_SCALE, scale_table, target_line  # noqa: E402
+from bench.render_scale import TARGET_SCALE, find_runs, scale_table, target_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "simulate_scale.md"
@@ -229,7 +229,7 @@ def report(runs: list[dict]) -> str:
             tuple(c) for c in picks))
         lines.append(f"- {r['workers']:,} x {r['tenants']:,}, "
                      f"{r.get('variant', 'interpreted')}, rep {r.get('rep', 0)}: {marks}")
-    if any((r["workers"], r["tenants"]) == TARGET_SCALE for r in runs):
+    if find_runs({"runs": runs}, TARGET_SCALE):
         lines += ["", target_line({"runs": runs})]
     return "\n".join(lines)
 

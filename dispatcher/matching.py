@@ -30,13 +30,20 @@ if TYPE_CHECKING:
 log = structlog.get_logger("dispatcher.service")
 
 
-@dataclass(eq=False, slots=True, kw_only=True)
+@dataclass(eq=False, slots=True, kw_only=True, init=False)
 class WaitingPull(PullShare):
     """A worker's pull held until work arrives or it expires."""
 
     pull: PullRequest
     reply: str
     expires_ms: float
+
+    def __init__(self, *, max_items: int, free_slots: int, free_kv_tokens: int,
+                 pull: PullRequest, reply: str, expires_ms: float) -> None:
+        # PullShare writes its __init__ (mypyc); not super(): a slots dataclass is a
+        # new class, which zero-argument super() does not see.
+        PullShare.__init__(self, max_items, free_slots, free_kv_tokens)
+        self.pull, self.reply, self.expires_ms = pull, reply, expires_ms
 
     @classmethod
     def of(cls, pull: PullRequest, reply: str, expires_ms: float) -> WaitingPull:

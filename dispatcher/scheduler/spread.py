@@ -21,7 +21,7 @@ shells (`dispatcher.matching`, `fleetsim.fleet`) keep each waiting pull as a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -44,9 +44,8 @@ class PullShare:
     max_items: int
     free_slots: int  # of max_items, how many would start at once
     free_kv_tokens: int  # 0: the worker gave no KV figure (unbounded)
-    # (The defaults are what the dataclass `__init__` of a subclass gives.)
-    given: list[Dispatch] = field(default_factory=list)
-    kv_given: int = 0
+    given: list[Dispatch]
+    kv_given: int
 
     def __init__(self, max_items: int, free_slots: int, free_kv_tokens: int) -> None:
         self.max_items, self.free_slots, self.free_kv_tokens = max_items, free_slots, free_kv_tokens
