@@ -4,6 +4,8 @@ simulated prefix cache (gpu_worker.sim.prefix_cache)."""
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import OrderedDict
 
 import pytest
 
@@ -241,3 +243,61 @@ def test_prefix_cache_lru_eviction_and_take():
     assert c.take("missing", 10) == 0
     c.put("z", 0)  # nothing full to keep
     assert len(c) == 0
+
+
+class _ReferencePrefixCache:
+    """The cache's specification, the plain way (an OrderedDict, oldest first)."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[str, int] = OrderedDict()
+
+    def put(self, key: str, n: int) -> None:
+        self.entries.pop(key, None)
+        if n > 0:
+            self.entries[key] = n
+
+    def take(self, key: str, max_blocks: int) -> int:
+        return min(self.entries.pop(key, 0), max(0, max_blocks))
+
+    def evict(self, n: int) -> int:
+        evicted = 0
+        while evicted < n and self.entries:
+            key, held = next(iter(self.entries.items()))
+            drop = min(held, n - evicted)
+            if drop == held:
+                del self.entries[key]
+            else:
+                self.entries[key] = held - drop
+            evicted += drop
+        return evicted
+
+
+def test_prefix_cache_matches_its_specification_over_random_operations():
+    rng = random.Random(7)
+    c, ref = PrefixCache(), _ReferencePrefixCache()
+    keys = [f"k{i}" for i in range(40)]
+    for _ in range(20_000):
+        op, key = rng.random(), rng.choice(keys)
+        if op < 0.45:
+            n = rng.randint(0, 6)
+            c.put(key, n), ref.put(key, n)
+        elif op < 0.8:
+            n = rng.randint(-1, 8)
+            assert c.take(key, n) == ref.take(key, n)
+        else:
+            n = rng.randint(0, 12)
+            assert c.evict(n) == ref.evict(n)
+        assert c.num_blocks == sum(ref.entries.values()) and len(c) == len(ref.entries)
+        assert c.blocks(key) == ref.entries.get(key, 0) and (key in c) == (key in ref.entries)
+
+
+def test_prefix_cache_without_evictions_stays_bounded():
+    """Entries replaced or taken leave emptied slots behind; with no eviction to reach
+    them they are compacted away, not kept for the engine's lifetime."""
+    c = PrefixCache()
+    for i in range(100_000):
+        c.put(f"k{i % 10}", 3)
+        if i % 3 == 0:
+            c.take(f"k{(i + 5) % 10}", 3)
+    assert len(c) <= 10
+    assert len(c._order) <= 2 * len(c) + 65
