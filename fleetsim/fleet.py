@@ -29,12 +29,13 @@ broker faults, and the edge's rate limits (the workload is what reaches the pool
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from dispatcher.scheduler import actions as act
+# Names, not `actions.X`: compiled, a module attribute is a lookup on every use.
+from dispatcher.scheduler.actions import Action, CheckStarted, Preempt, Released, Requeued, SendError
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
 from dispatcher.scheduler.spread import spread
@@ -90,7 +91,7 @@ class Fleet:
     # --- the event loop ---------------------------------------------------------------
 
     def _at(self, t_ms: float, fn: Callable, arg: object = None) -> None:
-        heapq.heappush(self._events, (t_ms, next(self._seq), fn, arg))
+        heappush(self._events, (t_ms, next(self._seq), fn, arg))
 
     def _send(self, fn: Callable, arg: object) -> None:
         """A message between dispatcher and worker: handled `network_ms` from now."""
@@ -144,7 +145,7 @@ class Fleet:
             self.now_ms = t = t_ev
             self.num_events += 1
             if src == 1:
-                _, _, fn, arg = heapq.heappop(events)
+                _, _, fn, arg = heappop(events)
                 fn(arg)
             elif src == 2:
                 _, _, fn, arg = net.popleft()
@@ -173,22 +174,22 @@ class Fleet:
         self._apply(self.core.submit(q, self.now_ms))
         self._serve_pulls()
 
-    def _apply(self, actions: list[act.Action]) -> None:
+    def _apply(self, actions: list[Action]) -> None:
         wake = False
         for a in actions:
             match a:
-                case act.SendError(code=code):
+                case SendError(code=code):
                     r: Req = a.request.payload
                     self.sink.on_rejected(r.arrival.tenant, self.now_ms / 1000, code.value)
-                case act.CheckStarted():
+                case CheckStarted():
                     r = a.request.payload
                     self._apply(self.core.on_start_checked(a.request.request_id, r.started,
                                                            self.now_ms))
-                case act.Preempt(worker_id=worker_id, dispatch=d):
+                case Preempt(worker_id=worker_id, dispatch=d):
                     self.num_preemptions += 1
                     self._send(self._on_preempt_order,
                                (self._by_id[worker_id], a.request.request_id, d))
-                case act.Requeued() | act.Released():
+                case Requeued() | Released():
                     wake = True
                 case _:
                     pass  # Hold / Ack / Term / Nak / Defer / Adopted: JetStream bookkeeping

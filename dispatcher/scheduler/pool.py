@@ -30,10 +30,9 @@ Recovery rules (DESIGN.md section 4):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Protocol
 
 from dispatcher.scheduler.actions import (
     Ack,
@@ -51,6 +50,7 @@ from dispatcher.scheduler.actions import (
     refuse,
 )
 from dispatcher.scheduler.core import Scheduler
+from dispatcher.scheduler.ended import EndedMemory
 from dispatcher.scheduler.loads import TenantChanges
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest, Verdict
 from dispatcher.scheduler.workers import WorkerRegistry, WorkerState
@@ -86,17 +86,6 @@ class Status:
     error: SendError | None = None  # ENDED with an error: how
 
 
-@dataclass(slots=True, init=False)
-class _Ended:
-    # One per ended request: `__init__` written, `Final` fields (as types.Dispatch).
-    attempt: Final[int]
-    error: Final[SendError | None]
-    ended_ms: Final[float]
-
-    def __init__(self, attempt: int, error: SendError | None, ended_ms: float) -> None:
-        self.attempt, self.error, self.ended_ms = attempt, error, ended_ms
-
-
 class PoolCore:
     # How long ended requests are remembered: the JetStream dedupe window, inside which
     # a repeat of the same attempt is answered with its status, never run again.
@@ -110,7 +99,7 @@ class PoolCore:
     def __init__(self, scheduler: Scheduler, worker_timeout_ms: float) -> None:
         self.scheduler = scheduler
         self.workers = WorkerRegistry(worker_timeout_ms)
-        self._ended: OrderedDict[str, _Ended] = OrderedDict()
+        self._ended = EndedMemory(self.ended_ttl_ms, self.max_ended)
         self._grace_until_ms = 0.0
         self._deferred: dict[str, QueuedRequest] = {}  # redeliveries handed back in grace
         self._checking: dict[str, str] = {}  # request id -> why its start is being checked
@@ -152,7 +141,7 @@ class PoolCore:
         self._deferred.pop(rid, None)
         if self.scheduler.is_known(rid):
             return []
-        ended = self._ended_entry(req.request_id, now_ms)
+        ended = self._ended.get(req.request_id, now_ms)
         if ended is not None and req.attempt <= ended.attempt and redelivered:
             # We ended it, but its message came back (a settle was lost): the client
             # already has its answer.
@@ -210,31 +199,24 @@ class PoolCore:
         if req is not None:
             return Status(RequestState.RUNNING, req.attempt,
                           self.workers.worker_of(request_id) or "")
-        ended = self._ended_entry(request_id, now_ms)
+        ended = self._ended.get(request_id, now_ms)
         if ended is not None:
             return Status(RequestState.ENDED, ended.attempt, error=ended.error)
         return Status(RequestState.UNKNOWN)
-
-    def _ended_entry(self, request_id: str, now_ms: float) -> _Ended | None:
-        e = self._ended.get(request_id)
-        return e if e is not None and now_ms - e.ended_ms <= self.ended_ttl_ms else None
 
     def _remember(self, actions: list[Action], now_ms: float) -> list[Action]:
         """Note every request these actions end (finished, failed, dropped, cancelled)."""
         if not actions:
             # Most calls (every worker message passes here): nothing ended. Entries past
-            # their TTL wait for the next call with actions (`_ended_entry` checks it).
+            # their TTL wait for the next call with actions (`get` checks the TTL).
             return actions
         self.observer.ended(actions, now_ms)
         errors = {a.request.request_id: a for a in actions if isinstance(a, SendError)}
         for a in actions:
             if isinstance(a, Term) or (isinstance(a, Ack) and a.reason != "started"):
                 rid = a.request.request_id
-                self._ended.pop(rid, None)
-                self._ended[rid] = _Ended(a.request.attempt, errors.get(rid), now_ms)
-        while self._ended and (len(self._ended) > self.max_ended or now_ms - next(
-                iter(self._ended.values())).ended_ms > self.ended_ttl_ms):
-            self._ended.popitem(last=False)
+                self._ended.add(rid, a.request.attempt, errors.get(rid), now_ms)
+        self._ended.trim(now_ms)
         return actions
 
     # --- worker contact ----------------------------------------------------------------
