@@ -44,6 +44,7 @@ MODULES = (
     "gpu_worker/sim/step_model.py",
     "gpu_worker/sim/prefix_cache.py",
     "fleetsim/fleet.py",
+    "fleetsim/events.py",
     "fleetsim/processes.py",
     "fleetsim/state.py",
     "fleetsim/records.py",

@@ -29,7 +29,6 @@ broker faults, and the edge's rate limits (the workload is what reaches the pool
 
 from __future__ import annotations
 
-from heapq import heappop, heappush
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -42,6 +41,7 @@ from dispatcher.scheduler.spread import spread
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
+from fleetsim.events import event_heap
 from fleetsim.records import Arrival, Sink, TenantTable
 from fleetsim.state import FleetSettings, Pull, Req, Run, Worker
 from gpu_worker.room import pull_room
@@ -71,7 +71,7 @@ class Fleet:
                                       kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
             for i in range(self.s.num_workers)]
         self._by_id = {w.worker_id: w for w in self.workers}
-        self._events: list[tuple[float, int, Callable, object]] = []
+        self._events = event_heap()  # timers and step ends
         # Messages (`_send`) and pull expiries: fixed delays, so appended in time order.
         self._net: deque[tuple[float, int, Callable, object]] = deque()
         self._expiries: deque[tuple[float, int, int]] = deque()  # (time, seq, pull key)
@@ -91,7 +91,7 @@ class Fleet:
     # --- the event loop ---------------------------------------------------------------
 
     def _at(self, t_ms: float, fn: Callable, arg: object = None) -> None:
-        heappush(self._events, (t_ms, next(self._seq), fn, arg))
+        self._events.push(t_ms, next(self._seq), fn, arg)
 
     def _send(self, fn: Callable, arg: object) -> None:
         """A message between dispatcher and worker: handled `network_ms` from now."""
@@ -121,8 +121,7 @@ class Fleet:
             # (time, seq) they give the order one heap of everything gave.
             src, t_ev, seq_ev = 0, inf, 0
             if events:
-                head = events[0]
-                src, t_ev, seq_ev = 1, head[0], head[1]
+                src, t_ev, seq_ev = 1, events.head_t_ms(), events.head_seq()
             if net:
                 msg = net[0]
                 if msg[0] < t_ev or (msg[0] == t_ev and msg[1] < seq_ev):
@@ -145,8 +144,7 @@ class Fleet:
             self.now_ms = t = t_ev
             self.num_events += 1
             if src == 1:
-                _, _, fn, arg = heappop(events)
-                fn(arg)
+                events.pop_and_run()
             elif src == 2:
                 _, _, fn, arg = net.popleft()
                 fn(arg)
