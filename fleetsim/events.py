@@ -120,7 +120,7 @@ class _TupleEventHeap(EventHeap):
 
 
 # Compiled by mypyc, a method is no longer a Python function.
-COMPILED = not isinstance(getattr(EventHeap, "push"), types.FunctionType)
+COMPILED = not isinstance(EventHeap.push, types.FunctionType)
 
 
 def event_heap() -> EventHeap:

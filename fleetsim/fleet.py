@@ -34,7 +34,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 # Names, not `actions.X`: compiled, a module attribute is a lookup on every use.
-from dispatcher.scheduler.actions import Action, CheckStarted, Preempt, Released, Requeued, SendError
+from dispatcher.scheduler.actions import (
+    Action,
+    CheckStarted,
+    Preempt,
+    Released,
+    Requeued,
+    SendError,
+)
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
 from dispatcher.scheduler.spread import spread

@@ -14,36 +14,56 @@ from typing import Any, Final
 from fairlane.protocol import ErrorCode
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class QueuedRequest:
+    # One per request: `__init__` written, as the records below (why: see there).
     request_id: str
     tenant: str
     tier: str
     prompt_tokens: int
     max_output_tokens: int
     expected_output_tokens: int
-    priority: int = 0  # higher first, within the tenant
-    arrival_ms: float = 0.0
-    deadline_ms: float | None = None  # on the caller's clock
-    ttft_budget_ms: float | None = None
+    priority: int  # higher first, within the tenant
+    arrival_ms: float
+    deadline_ms: float | None  # on the caller's clock
+    ttft_budget_ms: float | None
     # Set by the core:
-    seq: int = 0  # arrival order, for stable ordering
-    est_cost: float = 0.0  # cost charged at dispatch (trued up on finish)
-    est_kv_tokens: int = 0  # KV tokens charged against max_kv_tokens while in flight
-    requeued: bool = False  # goes to the front of its priority class
-    attempt: int = 0  # the client's attempt number for this request id
+    seq: int  # arrival order, for stable ordering
+    est_cost: float  # cost charged at dispatch (trued up on finish)
+    est_kv_tokens: int  # KV tokens charged against max_kv_tokens while in flight
+    requeued: bool  # goes to the front of its priority class
+    attempt: int  # the client's attempt number for this request id
     # Preemption (DESIGN.md 5b), set by the core:
-    enqueued_ms: float = 0.0  # when it last entered the queue (preempt_after_ms counts from it)
-    num_preemptions: int = 0  # times it was preempted: a continuation when > 0
-    num_generated_tokens: int = 0  # output tokens its earlier runs generated, all of them
-    paid_cost: float = 0.0  # what its earlier runs were charged, settled to the work they did
-    resume_cost: float = 0.0  # a continuation's estimated cost: the work left, nothing more
-    home_worker: str | None = None  # a continuation: the worker whose prefix cache has it
+    enqueued_ms: float  # when it last entered the queue (preempt_after_ms counts from it)
+    num_preemptions: int  # times it was preempted: a continuation when > 0
+    num_generated_tokens: int  # output tokens its earlier runs generated, all of them
+    paid_cost: float  # what its earlier runs were charged, settled to the work they did
+    resume_cost: float  # a continuation's estimated cost: the work left, nothing more
+    home_worker: str | None  # a continuation: the worker whose prefix cache has it
     # Its last charge was made while no other tenant of its tier waited (a quantum or a
     # counter nobody else contended): its refunds do not come back as credit (drr, vtc).
-    charged_alone: bool = False
+    charged_alone: bool
     # Opaque to the core: the shell's handle (JetStream message, decoded request).
-    payload: Any = field(default=None, repr=False, compare=False)
+    payload: Any = field(repr=False, compare=False)
+
+    def __init__(self, request_id: str, tenant: str, tier: str, prompt_tokens: int,
+                 max_output_tokens: int, expected_output_tokens: int, priority: int = 0,
+                 arrival_ms: float = 0.0, deadline_ms: float | None = None,
+                 ttft_budget_ms: float | None = None, seq: int = 0, est_cost: float = 0.0,
+                 est_kv_tokens: int = 0, requeued: bool = False, attempt: int = 0,
+                 enqueued_ms: float = 0.0, num_preemptions: int = 0,
+                 num_generated_tokens: int = 0, paid_cost: float = 0.0,
+                 resume_cost: float = 0.0, home_worker: str | None = None,
+                 charged_alone: bool = False, payload: Any = None) -> None:
+        self.request_id, self.tenant, self.tier = request_id, tenant, tier
+        self.prompt_tokens, self.max_output_tokens = prompt_tokens, max_output_tokens
+        self.expected_output_tokens, self.priority = expected_output_tokens, priority
+        self.arrival_ms, self.deadline_ms, self.ttft_budget_ms = arrival_ms, deadline_ms, ttft_budget_ms
+        self.seq, self.est_cost, self.est_kv_tokens = seq, est_cost, est_kv_tokens
+        self.requeued, self.attempt, self.enqueued_ms = requeued, attempt, enqueued_ms
+        self.num_preemptions, self.num_generated_tokens = num_preemptions, num_generated_tokens
+        self.paid_cost, self.resume_cost, self.home_worker = paid_cost, resume_cost, home_worker
+        self.charged_alone, self.payload = charged_alone, payload
 
     @property
     def kv_tokens(self) -> int:
