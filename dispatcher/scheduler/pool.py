@@ -382,8 +382,8 @@ class PoolCore:
         if load is not None:
             w.num_running, w.num_waiting = load.num_running, load.num_waiting
             w.kv_tokens_used, w.kv_tokens_total = load.kv_tokens_used, load.kv_tokens_total
-        for rid in started_ids:  # its Started event may have been lost
-            if self.workers.worker_of(rid) == worker_id:
+        for rid in started_ids:  # its Started event may have been lost (else: no-op)
+            if not self.scheduler.is_started(rid) and self.workers.worker_of(rid) == worker_id:
                 out.extend(self._mark_started(rid, now_ms))
         ids = list(in_flight_ids)
         for rid in ids:
