@@ -1,4 +1,4 @@
-"""The simulator's hot modules compiled with mypyc: the same source, about twice as fast.
+"""The simulator's hot modules compiled with mypyc: the same source, about 3x as fast.
 
     fairlane simulate --compiled workload.yaml ...   # builds once (~1-2 min), then reuses
     python -m fleetsim.compiled                      # build now; prints the directory
@@ -6,9 +6,9 @@
 What is compiled (`MODULES`) is the source the interpreted run executes, unchanged:
 the production scheduler core (`dispatcher.scheduler`, all of it), the simulator
 engine's batching core and step model, the worker's pull-room rule, and fleetsim's
-event loop, state, recorder and arrival streams. mypyc turns each module into a C
-extension; a compiled run gives the same result as an interpreted one, event for
-event (`tests/integration/test_sim_compiled.py` compares the summaries).
+event loop, event queue, state, recorder and arrival streams. mypyc turns each module
+into a C extension; a compiled run gives the same result as an interpreted one, event
+for event (`tests/integration/test_sim_compiled.py` compares the summaries).
 
 Never in place: the build is a copy of the four packages (`fairlane`, `dispatcher`,
 `gpu_worker`, `fleetsim`) with the extensions beside their source, in a cache
