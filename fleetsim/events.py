@@ -16,7 +16,6 @@ over tuples there.
 from __future__ import annotations
 
 import heapq
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -119,10 +118,9 @@ class _TupleEventHeap(EventHeap):
         fn(arg)
 
 
-# Compiled by mypyc, a method is no longer a Python function.
-COMPILED = not isinstance(EventHeap.push, types.FunctionType)
-
-
 def event_heap() -> EventHeap:
-    """The faster of the two for how this module runs (compiled or interpreted)."""
-    return EventHeap() if COMPILED else _TupleEventHeap()
+    """The faster of the two for how the simulator runs (compiled or interpreted)."""
+    # Imported here: fleetsim.compiled's test imports fleetsim.fleet, which imports this.
+    from fleetsim.compiled import is_compiled
+
+    return EventHeap() if is_compiled() else _TupleEventHeap()
