@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import resource
 import shlex
@@ -22,10 +23,17 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
+if TYPE_CHECKING:
+    from fleetsim.state import FleetSettings
+
 PROG = "fairlane simulate"
+# FleetSettings' fields as this command's flags (its errors name the field).
+_FLAG_OF = {"num_workers": "--workers", "max_num_seqs": "--max-num-seqs",
+            "prefetch_seqs": "--prefetch-seqs", "network_ms": "--network-ms"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,13 +112,30 @@ def _run_compiled(argv: list[str]) -> int:
                           check=False).returncode
 
 
+def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
+    """The fleet's settings from the flags, or what is wrong with them (before anything
+    is loaded or compiled: a bad flag is answered at once)."""
+    from fleetsim.state import FleetSettings, SettingError
+
+    if bool(args.workload) == bool(args.usage):
+        return "give a workload file or --usage FILE (one of them)"
+    for flag, value in (("--duration-s", args.duration_s), ("--window-s", args.window_s)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"{flag} must be a finite number > 0, got {value:g}"
+    try:
+        return FleetSettings(num_workers=args.workers, step_model=args.step_model,
+                             max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
+                             network_ms=args.network_ms,
+                             hint_output_tokens=args.hint_output_tokens)
+    except SettingError as exc:
+        return f"{_FLAG_OF.get(exc.name, exc.name)}: {exc.message}"
+
+
 def cmd_simulate(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if bool(args.workload) == bool(args.usage):
-        print(f"{PROG}: give a workload file or --usage FILE (one of them)", file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print(f"{PROG}: --workers must be >= 1", file=sys.stderr)
+    settings = _check_flags(args)
+    if isinstance(settings, str):
+        print(f"{PROG}: {settings}", file=sys.stderr)
         return 2
     if args.compiled:
         from fleetsim import compiled
@@ -121,7 +146,7 @@ def cmd_simulate(argv: list[str]) -> int:
                       f"{os.environ.get('PYTHONPATH', '')!r})", file=sys.stderr)
                 return 1
             return _run_compiled(argv)
-    from fleetsim.fleet import Fleet, FleetSettings
+    from fleetsim.fleet import Fleet
     from fleetsim.recorder import Recorder
     from fleetsim.report import write_report
     from fleetsim.workload import WorkloadError, from_usage, load_workload
@@ -133,17 +158,13 @@ def cmd_simulate(argv: list[str]) -> int:
         return 2
     if args.seed is not None:
         wl.seed = args.seed
-    duration_s = args.duration_s or wl.duration_s
+    duration_s = wl.duration_s if args.duration_s is None else args.duration_s
     wl.duration_s = duration_s
     cfg = wl.scheduler_config
     if args.policy:
         cfg.policy = args.policy
     if args.no_preemption:
         cfg.preemption = msgspec.structs.replace(cfg.preemption, enabled=False)
-    settings = FleetSettings(num_workers=args.workers, step_model=args.step_model,
-                             max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
-                             network_ms=args.network_ms,
-                             hint_output_tokens=args.hint_output_tokens)
     detail = [t for t in args.detail_tenants.split(",") if t]
     try:
         recorder = Recorder(wl.tenants, duration_s, args.window_s, detail_tenants=detail)

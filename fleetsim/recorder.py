@@ -34,6 +34,10 @@ from fleetsim.records import TenantTable
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p99": 0.99, "p999": 0.999}
+# Share-over-time windows a run may have: the window tables are windows x (tiers + 64
+# detail tenants) doubles and the report lists every window, so a window far below
+# the run's length (an hour in 0.1-ms windows: 19 GB) is refused, not attempted.
+MAX_WINDOWS = 100_000
 
 
 def min_samples(q: float) -> int:
@@ -133,8 +137,18 @@ class Recorder:
                  lo_s: float = 1e-4, hi_s: float = 3600.0, tier_growth: float = 1.01,
                  tenant_growth: float = 1.05, max_sample_points: int = 2000,
                  flush_every: int = 1 << 16) -> None:
-        if duration_s <= 0 or window_s <= 0:
-            raise ValueError("duration_s and window_s must be > 0")
+        if not (math.isfinite(duration_s) and duration_s > 0
+                and math.isfinite(window_s) and window_s > 0):
+            raise ValueError(f"duration_s and window_s must be finite numbers > 0, got "
+                             f"{duration_s:g} and {window_s:g}")
+        if math.ceil(duration_s / window_s) > MAX_WINDOWS:
+            # The least window that fits, rounded up to 3 digits (and so it does fit).
+            least = duration_s / MAX_WINDOWS * (1 + 1e-9)
+            unit = 10.0 ** (math.floor(math.log10(least)) - 2)
+            raise ValueError(f"a {window_s:g}-s window over {duration_s:g} s is "
+                             f"{math.ceil(duration_s / window_s):,} windows, more than "
+                             f"{MAX_WINDOWS:,}: use a window of at least "
+                             f"{math.ceil(least / unit) * unit:.3g} s (--window-s)")
         self.tenants = tenants
         self.duration_s, self.window_s = float(duration_s), float(window_s)
         self.flush_every = flush_every

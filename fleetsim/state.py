@@ -8,6 +8,7 @@ generated one stays interpreted, ~5x slower to call (a few per request, millions
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dispatcher.scheduler.spread import PullShare
@@ -37,6 +38,34 @@ class FleetSettings:
     # Run whole runs of engine steps as one event when nothing can change the batch
     # (exact: tests compare with False, which steps one at a time).
     batch_runs: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse settings no fleet has: a zero-slot worker never runs anything, and a
+        negative or NaN delay breaks virtual time's order (NaN compares false, so every
+        event after the first one would silently never happen)."""
+        for name, value, least in (("num_workers", self.num_workers, 1),
+                                   ("max_num_seqs", self.max_num_seqs, 1),
+                                   ("kv_tokens_total", self.kv_tokens_total, 1),
+                                   ("prefetch_seqs", self.prefetch_seqs, 0)):
+            if value is not None and value < least:
+                raise SettingError(name, f"must be >= {least}, got {value}")
+        for name, ms, positive in (("network_ms", self.network_ms, False),
+                                   ("pull_wait_ms", self.pull_wait_ms, True),
+                                   ("heartbeat_ms", self.heartbeat_ms, True),
+                                   ("worker_timeout_ms", self.worker_timeout_ms, True),
+                                   ("housekeeping_ms", self.housekeeping_ms, True),
+                                   ("sample_every_s", self.sample_every_s, True)):
+            if not math.isfinite(ms) or ms < 0 or (positive and ms == 0):
+                raise SettingError(name, f"must be a finite number {'>' if positive else '>='} 0, "
+                                         f"got {ms}")
+
+
+class SettingError(ValueError):
+    """A `FleetSettings` field out of range; `name` is the field."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name, self.message = name, message
 
 
 @dataclass(slots=True, init=False)

@@ -59,6 +59,37 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert cmd_simulate([str(tmp_path / "missing.yaml")]) == 2
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--workers", "0"], "--workers: must be >= 1, got 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
+    (["--prefetch-seqs", "-1"], "--prefetch-seqs: must be >= 0, got -1"),
+    # Negative or NaN latency would break virtual time's order; NaN silently (every
+    # comparison false: nothing after the first event ever ran).
+    (["--network-ms", "-5"], "--network-ms: must be a finite number >= 0, got -5.0"),
+    (["--network-ms", "nan"], "--network-ms: must be a finite number >= 0, got nan"),
+    (["--network-ms", "inf"], "--network-ms: must be a finite number >= 0, got inf"),
+    # 0 used to mean "the workload's duration" (`or`): refused, not reinterpreted.
+    (["--duration-s", "0"], "--duration-s must be a finite number > 0, got 0"),
+    (["--duration-s", "inf"], "--duration-s must be a finite number > 0, got inf"),
+    (["--duration-s", "nan"], "--duration-s must be a finite number > 0, got nan"),
+    (["--window-s", "inf"], "--window-s must be a finite number > 0, got inf"),
+    (["--window-s", "-1"], "--window-s must be a finite number > 0, got -1"),
+    # 30 s in 10-us windows: 3,000,000 window rows (an hour would be 19 GB).
+    (["--window-s", "0.00001"], "is 3,000,000 windows, more than 100,000: use a window of "
+                                "at least 0.000301 s (--window-s)"),
+    # Refused before the compiled copy is built (no child process, no compiler).
+    (["--compiled", "--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
+])
+def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys, flags, message):
+    wl = tmp_path / "wl.yaml"
+    wl.write_text(WORKLOAD)
+    out = tmp_path / "o"
+    assert cmd_simulate([str(wl), "--out", str(out), "--no-plots", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fairlane simulate: ") and message in err, err
+    assert not out.exists()
+
+
 def test_the_fairlane_command_runs_it(tmp_path):
     """`fairlane simulate` runs `python -m fleetsim` (the kernel imports no process
     package, and the simulator runs two of them)."""

@@ -260,3 +260,22 @@ def test_messages_timers_and_expiries_run_in_one_time_then_schedule_order():
     fleet._at(0.75, ran.append, "timer 5")
     fleet.run(iter(()), 0.001)
     assert ran == ["timer 0", "timer 1", "message 2", "timer 3", "message 4", "timer 5"]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("num_workers", 0, "num_workers: must be >= 1, got 0"),
+    ("max_num_seqs", 0, "max_num_seqs: must be >= 1, got 0"),
+    ("kv_tokens_total", -1, "kv_tokens_total: must be >= 1, got -1"),
+    ("prefetch_seqs", -2, "prefetch_seqs: must be >= 0, got -2"),
+    ("network_ms", float("nan"), "network_ms: must be a finite number >= 0, got nan"),
+    ("heartbeat_ms", 0.0, "heartbeat_ms: must be a finite number > 0, got 0.0"),
+    ("pull_wait_ms", float("inf"), "pull_wait_ms: must be a finite number > 0, got inf"),
+    ("housekeeping_ms", -1.0, "housekeeping_ms: must be a finite number > 0, got -1.0"),
+])
+def test_settings_no_fleet_has_are_refused(field, value, message):
+    from fleetsim.state import SettingError
+
+    with pytest.raises(SettingError, match=message) as exc:
+        FleetSettings(**{field: value})
+    assert exc.value.name == field
+    FleetSettings(network_ms=0.0, prefetch_seqs=0, max_num_seqs=1)  # the edges are fine

@@ -292,3 +292,18 @@ def test_compare_table_keeps_column_order_and_right_aligns_numbers():
     assert lines[3] == "| fifo | n/a | 5 | n/a | a\\|b |"
     assert compare_table(rows, columns=["requests", "variant"], digits=0).splitlines()[0] \
         == "| requests | variant |"
+
+
+@pytest.mark.parametrize(("duration_s", "window_s", "message"), [
+    (float("nan"), 10.0, "must be finite numbers > 0, got nan and 10"),
+    (60.0, float("inf"), "must be finite numbers > 0, got 60 and inf"),
+    (60.0, 0.0, "must be finite numbers > 0, got 60 and 0"),
+    # The window tables would be 3.6e7 rows x (tiers + 64) doubles: refused up front.
+    (3600.0, 1e-4, r"36,000,000 windows, more than 100,000: use a window of at least 0\.0361 s"),
+    # 3600 / 0.036 is 100,000.00000000001 in floating point: 100,001 rows.
+    (3600.0, 0.036, "100,001 windows"),
+])
+def test_windows_the_recorder_cannot_hold_are_refused(duration_s, window_s, message):
+    with pytest.raises(ValueError, match=message):
+        Recorder(table(3), duration_s, window_s)
+    Recorder(table(3), 3600.0, 0.0361)  # what the message proposes fits
