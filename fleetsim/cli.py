@@ -172,6 +172,15 @@ def cmd_simulate(argv: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    # The report's directory, made (or found writable) now: not after an hour's run.
+    out_dir = Path(args.out)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(out_dir, os.W_OK | os.X_OK):
+            raise PermissionError(f"[Errno 13] Permission denied: {str(out_dir)!r}")
+    except OSError as exc:
+        print(f"{PROG}: --out {args.out}: cannot write the report there: {exc}", file=sys.stderr)
+        return 2
     print(f"{PROG}: {len(wl.tenants):,} tenants, ~{wl.expected_requests():,.0f} requests, "
           f"{args.workers} workers, {duration_s:g} simulated s", file=sys.stderr)
 
@@ -204,11 +213,15 @@ def cmd_simulate(argv: list[str]) -> int:
     }
     command = "fairlane simulate " + shlex.join(argv)
     try:
-        paths = write_report(summary, Path(args.out), command=command, extra_meta=extra,
+        paths = write_report(summary, out_dir, command=command, extra_meta=extra,
                              plots=not args.no_plots)
     except RuntimeError as exc:  # matplotlib missing: md + json are written already
         print(f"{PROG}: {exc}", file=sys.stderr)
-        paths = [Path(args.out) / "simulate.md", Path(args.out) / "simulate.json"]
+        paths = [out_dir / "simulate.md", out_dir / "simulate.json"]
+    except OSError as exc:  # the directory went away or the disk filled meanwhile
+        print(f"{PROG}: the run finished but its report could not be written to "
+              f"{out_dir}: {exc}", file=sys.stderr)
+        return 1
     print(f"{PROG}: {duration_s:g} simulated s in {wall_s:.1f} s "
           f"({extra['sim_s_per_wall_s']} sim-s per wall-s); wrote "
           + ", ".join(str(p) for p in paths), file=sys.stderr)

@@ -176,6 +176,9 @@ class Recorder:
         self.detail: list[int] = []
         self.seen = np.zeros(nt, dtype=bool)
         index = {name: i for i, name in enumerate(tenants.names)}
+        if len(set(detail_tenants)) > max_tenant_detail:
+            raise ValueError(f"{len(set(detail_tenants))} detail tenants named, at most "
+                             f"{max_tenant_detail} are reported one by one")
         for name in detail_tenants:
             if name not in index:
                 raise ValueError(f"detail tenant {name!r} is not in the tenant table")

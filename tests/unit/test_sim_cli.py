@@ -90,6 +90,27 @@ def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys, flags, mes
     assert not out.exists()
 
 
+def test_an_out_dir_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    wl = tmp_path / "wl.yaml"
+    wl.write_text(WORKLOAD)
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a directory")
+    assert cmd_simulate([str(wl), "--out", str(a_file), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {a_file}: cannot write the report there" in err
+    assert "simulated" not in err  # refused before the run, not after it
+    assert cmd_simulate([str(wl), "--out", str(a_file / "below"), "--no-plots"]) == 2
+
+
+def test_more_detail_tenants_than_the_report_holds_are_refused(tmp_path, capsys):
+    wl = tmp_path / "wl.yaml"
+    wl.write_text(WORKLOAD)
+    names = ",".join(["flood-0", "vip-0"] * 10 + [f"nobody-{i}" for i in range(70)])
+    assert cmd_simulate([str(wl), "--out", str(tmp_path / "o"), "--detail-tenants",
+                         names]) == 2
+    assert "72 detail tenants named, at most 64" in capsys.readouterr().err
+
+
 def test_the_fairlane_command_runs_it(tmp_path):
     """`fairlane simulate` runs `python -m fleetsim` (the kernel imports no process
     package, and the simulator runs two of them)."""
