@@ -31,6 +31,7 @@ thousands of backlogged tenants, every preemption decision ranks them all.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -393,20 +394,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for key, value in base.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    a.worker_counts = sorted({int(w) for w in str(a.workers).split(",") if w.strip()})
+    try:
+        a.worker_counts = sorted({int(w) for w in str(a.workers).split(",") if w.strip()})
+    except ValueError:
+        ap.error(f"--workers: comma-separated whole numbers, got {a.workers!r}")
     if not a.worker_counts or min(a.worker_counts) < 1 or a.seeds < 1 or a.jobs < 1:
         ap.error("--workers needs counts >= 1, --seeds and --jobs >= 1")
+    if a.slots < 1:
+        ap.error(f"--slots must be >= 1, got {a.slots}")
+    for flag, value in (("--duration-s", a.duration_s), ("--target-s", a.target_s)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            ap.error(f"{flag} must be a finite number > 0, got {value:g}")
     return a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    from fleetsim.processes import WorkloadError
     from fleetsim.workload import load_workload
+    from gpu_worker.sim.step_model import StepModelError, load_step_model
 
-    wl = load_workload(a.workload)  # fail here, not in 70 children
-    a.duration_s = a.duration_s or wl.duration_s
+    try:  # fail here, not in 70 children
+        wl = load_workload(a.workload)
+        load_step_model(a.step_model)
+    except (OSError, WorkloadError, StepModelError, ValueError) as exc:
+        raise SystemExit(f"capacity_plan.py: {exc}") from None
+    a.duration_s = wl.duration_s if a.duration_s is None else a.duration_s
     if not 0 <= a.warmup_s < a.duration_s:
         raise SystemExit("--warmup-s must be in [0, duration)")
+    try:  # the results' directory: found unwritable now, not after the sweep
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"capacity_plan.py: --out-dir {a.out_dir}: {exc}") from None
     tiers = wl.tenants.tiers
     paid, free = a.paid_tier or tiers[0], a.free_tier or tiers[-1]
     if {paid, free} - set(tiers):

@@ -192,3 +192,30 @@ def test_the_renderer_refuses_an_empty_results_file(tmp_path):
         rc.capacity_table(_results(tmp_path, []), [rc.STEM], "")
     with pytest.raises(RenderError, match="one results file"):
         rc.capacity_table(_results(tmp_path, []), [], "")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--workers", "8,abc"], "--workers: comma-separated whole numbers, got '8,abc'"),
+    (["--workers", "0,8"], "--workers needs counts >= 1"),
+    (["--slots", "0"], "--slots must be >= 1, got 0"),
+    (["--duration-s", "0"], "--duration-s must be a finite number > 0, got 0"),
+    (["--duration-s", "nan"], "--duration-s must be a finite number > 0, got nan"),
+    (["--target-s", "-1"], "--target-s must be a finite number > 0, got -1"),
+])
+def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cp.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--workload", "/nonexistent/mix.yaml"], "cannot read"),
+    (["--step-model", "no-such-model"], "cannot read step model 'no-such-model'"),
+    (["--paid-tier", "gold"], "--paid-tier / --free-tier must be among"),
+])
+def test_bad_inputs_stop_the_sweep_before_any_run(argv, message, tmp_path):
+    """Said once, up front, not as a traceback in each of the sweep's child processes."""
+    with pytest.raises(SystemExit) as exc:
+        cp.main(["--workers", "2", "--seeds", "1", "--out-dir", str(tmp_path / "o"), *argv])
+    assert message in str(exc.value.code)
+    assert not (tmp_path / "o" / "capacity_plan.json").exists()
