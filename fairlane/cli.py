@@ -44,6 +44,7 @@ from fairlane.natsauth import AUTH_FILE, CREDENTIALS_DIR, service_user, write_na
 from fairlane.natscluster import NatsCluster, default_replicas
 from fairlane.poolconfig import Policy
 from fairlane.protocol import PoolInfoRequest, ProtocolError, decode_event, encode
+from fairlane.runtime import run_in_foreground
 from fairlane.settings import PositiveInt, load_settings
 from fairlane.subjects import Subjects
 
@@ -453,9 +454,8 @@ def cmd_nats_config(argv: list[str]) -> int:
 
 
 def cmd_simulate(argv: list[str]) -> int:
-    # A package of its own (it runs the dispatcher's and the worker's cores, which the
-    # kernel must not import): run it as `up` runs the fleet's parts.
-    return subprocess.call([sys.executable, "-m", "fleetsim", *argv])
+    # Own package: it runs cores the kernel must not import. Ctrl-C is its to handle.
+    return run_in_foreground([sys.executable, "-m", "fleetsim", *argv])
 
 
 def cmd_tenants(argv: list[str]) -> int:

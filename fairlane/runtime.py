@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -100,3 +101,18 @@ def run(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
         return int(rc or 0)
 
     return uvloop.run(_wrapped())
+
+
+def run_in_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run `cmd` to its end and return its exit status, leaving Ctrl-C to it.
+
+    The terminal sends SIGINT to the whole foreground process group, this process and
+    the child alike. Left as is, the wait here would raise KeyboardInterrupt and
+    `subprocess` would kill the child, so a child that handles Ctrl-C gracefully
+    (`fairlane simulate` writes the report of what it ran) never could. Ignored here
+    while the child runs; the child, which inherits the ignore, sets its own handler."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return subprocess.run(cmd, env=env, check=False).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -18,8 +18,9 @@ import math
 import os
 import resource
 import shlex
-import subprocess
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,11 +94,42 @@ def tuned_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+PRINT_EVERY_S = 60.0  # simulated seconds between progress lines
+
+
+class _Interrupt:
+    """Ctrl-C (SIGINT) during a run: the first one ends it at the next simulated second
+    and the report covers what ran (an hour-long run keeps its first 50 minutes); a
+    second one stops at once, without a report. Only in the main thread (signals are
+    delivered there); elsewhere Ctrl-C keeps its usual meaning."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: object = None
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"{PROG}: interrupted: stopping at the next simulated second and writing the "
+              f"report (Ctrl-C again: stop now, no report)", file=sys.stderr)
+
+
 _COMPILED_CHILD = "FAIRLANE_SIM_COMPILED_CHILD"
 
 
 def _run_compiled(argv: list[str]) -> int:
     """The same command in a child process that imports the compiled copy first."""
+    from fairlane.runtime import run_in_foreground
     from fleetsim import compiled
 
     try:
@@ -108,8 +140,8 @@ def _run_compiled(argv: list[str]) -> int:
     env = compiled.env(build_dir) | {_COMPILED_CHILD: "1"}
     # -P: the working directory is not put first on sys.path (run from a checkout, its
     # interpreted packages would shadow the compiled copy).
-    return subprocess.run([sys.executable, "-P", "-m", "fleetsim", *argv], env=env,
-                          check=False).returncode
+    # Ctrl-C is the child's to handle (`_Interrupt`): this process waits for its report.
+    return run_in_foreground([sys.executable, "-P", "-m", "fleetsim", *argv], env=env)
 
 
 def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
@@ -133,6 +165,8 @@ def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
 
 def cmd_simulate(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if os.environ.get(_COMPILED_CHILD) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the parent ignores it
     settings = _check_flags(args)
     if isinstance(settings, str):
         print(f"{PROG}: {settings}", file=sys.stderr)
@@ -146,7 +180,7 @@ def cmd_simulate(argv: list[str]) -> int:
                       f"{os.environ.get('PYTHONPATH', '')!r})", file=sys.stderr)
                 return 1
             return _run_compiled(argv)
-    from fleetsim.fleet import Fleet
+    from fleetsim.fleet import Fleet, StopRun
     from fleetsim.recorder import Recorder
     from fleetsim.report import write_report
     from fleetsim.workload import WorkloadError, from_usage, load_workload
@@ -184,14 +218,30 @@ def cmd_simulate(argv: list[str]) -> int:
     print(f"{PROG}: {len(wl.tenants):,} tenants, ~{wl.expected_requests():,.0f} requests, "
           f"{args.workers} workers, {duration_s:g} simulated s", file=sys.stderr)
 
-    def progress(t_s: float) -> None:
-        wall = time.perf_counter() - t0
-        print(f"  simulated {t_s:,.0f} s in {wall:,.1f} s wall", file=sys.stderr)
+    interrupt = _Interrupt()
+    next_print_s = 0.0
 
-    with tuned_gc():
+    def progress(t_s: float) -> None:  # every simulated second
+        nonlocal next_print_s
+        if interrupt.requested:
+            raise StopRun
+        if t_s >= next_print_s:
+            wall = time.perf_counter() - t0
+            print(f"  simulated {t_s:,.0f} s in {wall:,.1f} s wall", file=sys.stderr)
+            next_print_s = t_s + PRINT_EVERY_S
+
+    with tuned_gc(), interrupt:
         t0 = time.perf_counter()
-        fleet.run(wl.arrivals(), duration_s, progress)
+        try:
+            fleet.run(wl.arrivals(), duration_s, progress, progress_every_s=1.0)
+        except KeyboardInterrupt:
+            print(f"{PROG}: stopped at {fleet.now_ms / 1000:g} simulated s; no report",
+                  file=sys.stderr)
+            return 130
     wall_s = time.perf_counter() - t0
+    simulated_s = fleet.end_ms / 1000
+    if simulated_s < duration_s:
+        recorder.stopped_at(simulated_s)
     # Peak RSS of this process (not tracemalloc: it would slow the run and inflate it).
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = recorder.summary()
@@ -201,9 +251,12 @@ def cmd_simulate(argv: list[str]) -> int:
         "step_model": args.step_model,
         "policy": cfg.policy,
         "preemption": "on" if cfg.preemption.enabled else "off",
-        "simulated_s": duration_s,
+        "simulated_s": simulated_s,
+        "stopped_early": (f"interrupted at {simulated_s:g} of {duration_s:g} simulated s: "
+                          f"this report covers [0, {simulated_s:g}) s"
+                          if simulated_s < duration_s else None),
         "wall_s": round(wall_s, 2),
-        "sim_s_per_wall_s": round(duration_s / wall_s, 2) if wall_s > 0 else None,
+        "sim_s_per_wall_s": round(simulated_s / wall_s, 2) if wall_s > 0 else None,
         "arrivals": fleet.num_arrivals,
         "events": fleet.num_events,
         "preemptions_ordered": fleet.num_preemptions,
@@ -222,7 +275,10 @@ def cmd_simulate(argv: list[str]) -> int:
         print(f"{PROG}: the run finished but its report could not be written to "
               f"{out_dir}: {exc}", file=sys.stderr)
         return 1
-    print(f"{PROG}: {duration_s:g} simulated s in {wall_s:.1f} s "
+    print(f"{PROG}: {simulated_s:g} simulated s in {wall_s:.1f} s "
           f"({extra['sim_s_per_wall_s']} sim-s per wall-s); wrote "
           + ", ".join(str(p) for p in paths), file=sys.stderr)
+    if interrupt.requested:
+        print(f"{PROG}: {extra['stopped_early']}", file=sys.stderr)
+        return 130  # as a shell reports a run stopped by Ctrl-C
     return 0

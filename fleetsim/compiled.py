@@ -49,6 +49,7 @@ MODULES = (
     "fleetsim/state.py",
     "fleetsim/records.py",
     "fleetsim/recorder.py",
+    "fleetsim/histogram.py",
 )
 # Build leftovers beside the source: neither copied nor part of the key.
 _LEFTOVER_DIRS = ("__pycache__", "build")

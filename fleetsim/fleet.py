@@ -55,7 +55,13 @@ from gpu_worker.room import pull_room
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
 
-__all__ = ["Fleet", "FleetSettings"]
+__all__ = ["Fleet", "FleetSettings", "StopRun"]
+
+
+class StopRun(Exception):
+    """Raised by `Fleet.run`'s progress callback: the run ends at that simulated time as
+    if it had been its duration (the events due then still run, later arrivals are not
+    taken, the running sequences' tokens are reported)."""
 
 
 def _admission_order(seq: Seq) -> int:
@@ -91,6 +97,7 @@ class Fleet:
         self._pull_ids = itertools.count()
         self._tier_index = {name: i for i, name in enumerate(tenants.tiers)}
         self.now_ms = 0.0
+        self.end_ms = 0.0  # where the last run ended (its duration, or a StopRun)
         self.num_events = 0
         self.num_preemptions = 0
         self.num_arrivals = 0
@@ -108,7 +115,8 @@ class Fleet:
             progress: Callable[[float], None] | None = None,
             progress_every_s: float = 60.0) -> None:
         """Simulate until `duration_s` (arrivals after it are not taken); `progress`
-        gets the simulated time every `progress_every_s` (it may raise to stop)."""
+        gets the simulated time every `progress_every_s`; it may raise `StopRun` to end
+        the run there (`end_ms` says where it ended)."""
         end_ms = duration_s * 1000.0
         self._at(0.0, self._heartbeats)
         for w in self.workers:
@@ -158,9 +166,12 @@ class Fleet:
             else:
                 self._expire_pull(expiries.popleft()[2])
             if progress is not None and t >= next_progress_ms:
-                progress(t / 1000.0)
                 next_progress_ms = t + progress_every_s * 1000.0
-        self.now_ms = end_ms
+                try:
+                    progress(t / 1000.0)
+                except StopRun:  # what is due now still runs; nothing later does
+                    end_ms, next_progress_ms = t, inf
+        self.now_ms = self.end_ms = end_ms
         self._flush_tokens()
 
     # --- dispatcher side --------------------------------------------------------------

@@ -3,7 +3,7 @@
 The markdown is headed like the benchmark results files (bench/harness.py: command,
 commit, date, machine), so a simulation sits beside BENCHMARKS.md's numbers with the
 same provenance. Latencies come from `Recorder.summary()`'s histograms: a tail
-percentile with too few samples is shown as "max=..." (see `recorder.min_samples`).
+percentile with too few samples is shown as "max=..." (see `histogram.min_samples`).
 
 matplotlib is only needed for the plots, and only imported when they are drawn
 (`pip install 'fairlane[sim]'`); `write_report(..., plots=False)` works without it.
@@ -124,7 +124,7 @@ def compare_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | No
 
 def fmt_quantile(stats: Mapping[str, Any], name: str, scale: float = 1.0,
                  digits: int = 1) -> str:
-    """A percentile from `recorder.LogHist.stats` scaled (1e3: s -> ms); "max=..." where
+    """A percentile from `histogram.LogHist.stats` scaled (1e3: s -> ms); "max=..." where
     there were too few samples for it, "n/a" with none."""
     if not stats or not stats.get("n"):
         return "n/a"

@@ -1,11 +1,13 @@
 """`fairlane simulate --compiled`: mypyc builds the simulator's modules (a real compiler
 run, into a fresh cache) and the compiled run gives the interpreted run's result, for
-each policy, with preemption and a quota-blocked tenant in play."""
+each policy, with preemption and a quota-blocked tenant in play; and Ctrl-C ends a run,
+compiled or not, with the report of what ran."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +111,41 @@ def test_a_bad_workload_gets_the_same_answer_compiled(tmp_path, cache, old, new,
     assert plain_rc == fast_rc == 2, outs
     assert message in plain_out and message in fast_out, outs
     assert not (tmp_path / "out" / "simulate.json").exists()
+
+
+@pytest.mark.parametrize("extra", [(), ("--compiled",)], ids=["interpreted", "compiled"])
+def test_ctrl_c_ends_the_run_and_writes_the_report_of_what_ran(tmp_path, cache, extra):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C: `fairlane`, the
+    `--compiled` parent and the simulating child all get it. The run ends at the next
+    simulated second and its report covers what ran; exit status 130."""
+    wl = tmp_path / "long.yaml"
+    wl.write_text(WORKLOAD.replace("duration_s: 40", "duration_s: 200000", 1))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fairlane.cli", "simulate", str(wl), "--workers", "3",
+         "--max-num-seqs", "16", "--window-s", "100", "--out", str(out), "--no-plots", *extra],
+        env=cache, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # ends at EOF if the run dies first
+            seen.append(line)
+            if "simulated 60 s" in line:
+                break
+        assert proc.poll() is None, "".join(seen)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted: stopping at the next simulated second" in rest
+    doc = json.loads((out / "simulate.json").read_text())
+    simulated_s = doc["meta"]["simulated_s"]
+    assert 60 <= simulated_s < 200_000 and doc["meta"]["compiled"] == bool(extra)
+    assert doc["meta"]["stopped_early"].startswith(f"interrupted at {simulated_s:g} of 200000")
+    # Rates and windows over what ran, not over the 200,000 s asked for.
+    summary = doc["summary"]
+    assert summary["duration_s"] == simulated_s and summary["pool"]["finished"] > 500
+    assert len(summary["windows"]["start_s"]) == -(-simulated_s // 100)

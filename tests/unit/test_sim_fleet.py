@@ -279,3 +279,28 @@ def test_settings_no_fleet_has_are_refused(field, value, message):
         FleetSettings(**{field: value})
     assert exc.value.name == field
     FleetSettings(network_ms=0.0, prefetch_seqs=0, max_num_seqs=1)  # the edges are fine
+
+
+def test_a_run_stopped_by_its_progress_callback_is_a_run_of_that_duration():
+    """`StopRun` (Ctrl-C in `fairlane simulate`) ends the run at a simulated time T as a
+    run of duration T would have: the same events, arrivals, first tokens, finishes and
+    tokens (the running sequences' included)."""
+    from fleetsim.fleet import StopRun
+
+    t = table("A", "L")
+    arrivals = flood_and_probe(duration_s=40.0)
+
+    def stop_after_12_s(t_s: float) -> None:
+        if t_s >= 12.0:
+            raise StopRun
+
+    stopped_sink = Collect()
+    stopped = Fleet(config(t), t, stopped_sink, FleetSettings(
+        num_workers=2, max_num_seqs=32, hint_output_tokens=True))
+    stopped.run(iter(arrivals), 40.0, stop_after_12_s, progress_every_s=1.0)
+    assert 12_000 <= stopped.end_ms < 13_000  # the first event at or after 12 s
+    full, full_sink = run(arrivals, t, config(t), stopped.end_ms / 1000)
+    assert (stopped.num_events, stopped.num_arrivals) == (full.num_events, full.num_arrivals)
+    assert stopped_sink.finished == full_sink.finished and stopped_sink.ttft == full_sink.ttft
+    assert stopped_sink.tokens == full_sink.tokens
+    assert len(stopped_sink.finished) > 100 and stopped.num_arrivals < len(arrivals)

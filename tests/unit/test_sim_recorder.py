@@ -10,7 +10,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from fleetsim.recorder import QUANTILES, LogHist, Recorder, min_samples
+from fleetsim.histogram import QUANTILES, LogHist, min_samples
+from fleetsim.recorder import Recorder
 from fleetsim.records import TenantTable
 from fleetsim.report import compare_table, fmt_quantile, write_report
 
