@@ -3,13 +3,13 @@
 An hour of 1,000 workers and 100,000 tenants is ~30 million requests; keeping a
 latency per request would not fit beside the simulation, so `Recorder` keeps:
 
-- **Latency histograms** (TTFT, TPOT, end-to-end; `fleetsim.histogram`), log-spaced
-  so a bucket is a fixed *relative* width: per tier at 1 % (`tier_growth`, ~1,750 buckets from 0.1 ms to 1 h;
-  the pool is the sum of the tiers) and per *detail* tenant at 5 % (`tenant_growth`,
-  ~360 buckets). 100,000 tenants x 3 metrics at 5 % would be ~400 MB, so only
-  `max_tenant_detail` tenants get histograms: the `detail_tenants` named up front, then
-  the tenants with the most events among those first seen while slots are free.
-  Every tenant gets count / sum / max of each metric and its counters.
+- **Latency histograms** (TTFT, TPOT, end-to-end; `fleetsim.histogram`), log-spaced so
+  a bucket is a fixed *relative* width: per tier at 1 % (`tier_growth`, ~1,750 buckets
+  from 0.1 ms to 1 h; the pool is the sum of the tiers) and per *detail* tenant at 5 %
+  (`tenant_growth`, ~360 buckets). 100,000 tenants x 3 metrics at 5 % would be ~400
+  MB, so only `max_tenant_detail` tenants get histograms: the `detail_tenants` named
+  up front, then the tenants with the most events among those first seen while slots
+  are free. Every tenant gets count / sum / max of each metric and its counters.
 - **Counters** per tenant (numpy arrays) and per tier: finished, rejected (by code),
   preemptions, recomputed tokens, output tokens, generated tokens.
 - **Tokens per window** (`window_s`) per tier and per detail tenant, for shares and
