@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 PROG = "fairlane simulate"
 # FleetSettings' fields as this command's flags (its errors name the field).
 _FLAG_OF = {"num_workers": "--workers", "max_num_seqs": "--max-num-seqs",
-            "prefetch_seqs": "--prefetch-seqs", "network_ms": "--network-ms"}
+            "prefetch_seqs": "--prefetch-seqs", "network_ms": "--network-ms",
+            "max_model_len": "--max-model-len"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="step-time model: a name under gpu_worker/sim/step_models or a path")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="batch slots per worker (default: the step model's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output a sequence may reach, as gpu_worker's / vLLM's "
+                        "(default: unset, the KV cache bounds it); longer prompts are "
+                        "refused with prompt_too_long, outputs cut there")
     p.add_argument("--prefetch-seqs", type=int, default=d.prefetch_seqs,
                    help="work a worker accepts beyond its batch cap (as gpu_worker)")
     p.add_argument("--network-ms", type=float, default=d.network_ms,
@@ -157,6 +162,7 @@ def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
     try:
         return FleetSettings(num_workers=args.workers, step_model=args.step_model,
                              max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
+                             max_model_len=args.max_model_len,
                              network_ms=args.network_ms,
                              hint_output_tokens=args.hint_output_tokens)
     except SettingError as exc:
@@ -249,6 +255,7 @@ def cmd_simulate(argv: list[str]) -> int:
         "workload": args.usage or args.workload,
         "workers": args.workers,
         "step_model": args.step_model,
+        "max_seq_len": fleet.max_seq_len,
         "policy": cfg.policy,
         "preemption": "on" if cfg.preemption.enabled else "off",
         "simulated_s": simulated_s,

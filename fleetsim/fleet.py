@@ -2,26 +2,25 @@
 
 A discrete-event simulation. Nothing here decides anything the product decides: every
 scheduling, preemption and recovery decision is `dispatcher.scheduler.pool.PoolCore`'s
-(the dispatcher's own core, unchanged), and every batching, KV and step-time effect
-is `gpu_worker.sim.batch.BatchCore`'s (the simulator engine's own physics). This
-module is the glue the real processes provide over NATS, written as events:
+(the dispatcher's own core, unchanged), every batching, KV and step-time effect
+`gpu_worker.sim.batch.BatchCore`'s (the simulator engine's physics). This module is
+the glue the real processes provide over NATS, written as events:
 
-- a worker pulls when it has room (the worker's `_room` rule: batch cap + prefetch,
-  no more prefetch while its engine queue holds some), one pull at a time; the
-  dispatcher answers at once or holds the pull until work arrives or `pull_wait_ms`;
-- queued work is spread over the waiting pulls, free slots first, then prefetch room
-  (`dispatcher.scheduler.spread`), and when work waits and no pull has a free slot the
+- a worker pulls when it has room (`gpu_worker.room`: batch cap + prefetch), one pull
+  at a time; the dispatcher answers at once or holds the pull until work arrives or
+  `pull_wait_ms`; queued work is spread over the waiting pulls, free slots first
+  (`dispatcher.scheduler.spread`); when work waits and no pull has a free slot the
   core is asked for preemptions (as `dispatcher.service`);
 - every message between dispatcher and worker takes `network_ms`;
-- a worker's engine runs one step at a time, or a whole run of steps at once when
-  nothing can change its batch (`BatchCore.steps_until_change`); work arriving
-  mid-run cuts the run at the step in progress, as the real engine admits it there.
-  A run costs O(1) whatever the batch (`BatchCore`'s counters): only sequences whose
-  state changes are touched (first token, finish, preemption), and a sequence's
-  tokens are reported when it leaves the batch, spread over its time there;
-- heartbeats every `heartbeat_ms` (every worker's in one event: they beat in step)
-  and housekeeping every `housekeeping_ms` go to the core as the shell sends them, so
-  its liveness rules see a live fleet.
+- an engine runs one step at a time, or a run of steps at once when nothing can
+  change its batch (`BatchCore.steps_until_change`), cut at the step in progress when
+  work arrives mid-run (the real engine admits it there); a run costs O(1) whatever
+  the batch: only sequences whose state changes are touched (first token, finish,
+  preemption), and tokens are reported when a sequence leaves the batch;
+- as `SimEngine`, a prompt that reaches the engine's longest sequence is refused
+  (PROMPT_TOO_LONG) and an output is cut there;
+- heartbeats (every worker's in one event: they beat in step) and housekeeping go to
+  the core as the shell sends them, so its liveness rules see a live fleet.
 
 Not modelled: the client and JetStream legs (ingest is instantaneous), worker or
 broker faults, and the edge's rate limits (the workload is what reaches the pool).
@@ -46,22 +45,17 @@ from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
 from dispatcher.scheduler.spread import spread
 from dispatcher.scheduler.types import ActualUsage, Dispatch, QueuedRequest
+from fairlane.errors import ErrorCode
 from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
 from fleetsim.events import event_heap
-from fleetsim.records import Arrival, Sink, TenantTable
+from fleetsim.records import Arrival, Sink, StopRun, TenantTable
 from fleetsim.state import FleetSettings, Pull, Req, Run, Worker
 from gpu_worker.room import pull_room
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
 
 __all__ = ["Fleet", "FleetSettings", "StopRun"]
-
-
-class StopRun(Exception):
-    """Raised by `Fleet.run`'s progress callback: the run ends at that simulated time as
-    if it had been its duration (the events due then still run, later arrivals are not
-    taken, the running sequences' tokens are reported)."""
 
 
 def _admission_order(seq: Seq) -> int:
@@ -84,6 +78,10 @@ class Fleet:
                                       kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
             for i in range(self.s.num_workers)]
         self._by_id = {w.worker_id: w for w in self.workers}
+        # The longest sequence an engine holds, as SimEngine.max_seq_len: a prompt that
+        # reaches it is refused, an output is cut there (never more than the cache).
+        kv_tokens = self.workers[0].core.kv_tokens_total
+        self.max_seq_len = min(self.s.max_model_len or kv_tokens, kv_tokens)
         self._events = event_heap()  # timers and step ends
         # Messages (`_send`) and pull expiries: fixed delays, so appended in time order.
         self._net: deque[tuple[float, int, Callable, object]] = deque()
@@ -95,12 +93,8 @@ class Fleet:
         self._pulls_prefetch: dict[int, Pull] = {}
         self._served: list[Pull] = []
         self._pull_ids = itertools.count()
-        self._tier_index = {name: i for i, name in enumerate(tenants.tiers)}
-        self.now_ms = 0.0
-        self.end_ms = 0.0  # where the last run ended (its duration, or a StopRun)
-        self.num_events = 0
-        self.num_preemptions = 0
-        self.num_arrivals = 0
+        self.now_ms = self.end_ms = 0.0  # end_ms: where `run` ended (duration, StopRun)
+        self.num_events = self.num_preemptions = self.num_arrivals = 0
 
     # --- the event loop ---------------------------------------------------------------
 
@@ -344,14 +338,25 @@ class Fleet:
         r: Req = q.payload
         r.started = False
         a = r.arrival
+        room = self.max_seq_len - a.prompt_tokens
+        if room <= 0:
+            self._refuse_too_long(w, q.request_id, r)
+            return
         seq = Seq(request_id=q.request_id, priority=d.engine_priority,
                   num_prompt_tokens=a.prompt_tokens,
-                  target_output_tokens=max(1, min(a.output_tokens, a.max_tokens)),
+                  target_output_tokens=max(1, min(a.output_tokens, a.max_tokens, room)),
                   cache_key=(r.tenant, q.request_id), is_resume=r.num_generated > 0,
                   num_output_tokens=r.num_generated, owner=r)
         w.seqs[q.request_id] = seq
         w.core.add(seq)
         self._wake(w)
+
+    def _refuse_too_long(self, w: Worker, rid: str, r: Req) -> None:
+        """PromptTooLong: the client gets its error, the dispatcher a tokenless Finished."""
+        a = r.arrival
+        self.sink.on_rejected(a.tenant, self.now_ms / 1000, ErrorCode.PROMPT_TOO_LONG.value)
+        usage = ActualUsage(a.prompt_tokens, 0, 0.0, self.now_ms - a.t_s * 1000)
+        self._send(self._on_finished, (w, rid, usage))
 
     def _on_preempt_order(self, arg: tuple[Worker, str, Dispatch | None]) -> None:
         w, rid, replacement = arg

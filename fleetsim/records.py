@@ -75,3 +75,9 @@ class Sink(Protocol):
     def sample(self, t_s: float, queued_by_tier: list[int], running: int,
                busy_workers: int) -> None:
         """Periodic fleet state (every `sample_every_s` of simulated time)."""
+
+
+class StopRun(Exception):
+    """Raised by `Fleet.run`'s progress callback: the run ends at that simulated time as
+    if it had been its duration (the events due then still run, later arrivals are not
+    taken, the running sequences' tokens are reported)."""

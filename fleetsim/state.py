@@ -25,6 +25,10 @@ class FleetSettings:
     max_num_seqs: int | None = None  # None: the step model's
     kv_tokens_total: int | None = None  # None: the step model's
     prefetch_seqs: int = 4  # gpu_worker --prefetch-seqs
+    # gpu_worker --max-model-len: prompt + output a sequence may reach. None: unset, as
+    # the simulator engine's 0, so the KV cache bounds it (the engine caps the output
+    # there and refuses a prompt that reaches it, `gpu_worker.sim.engine`).
+    max_model_len: int | None = None
     pull_wait_ms: float = 1_000.0  # gpu_worker --pull-wait-ms
     heartbeat_ms: float = 1_000.0  # gpu_worker --heartbeat-ms
     worker_timeout_ms: float = 3_500.0  # dispatcher --worker-timeout-ms
@@ -46,6 +50,7 @@ class FleetSettings:
         for name, value, least in (("num_workers", self.num_workers, 1),
                                    ("max_num_seqs", self.max_num_seqs, 1),
                                    ("kv_tokens_total", self.kv_tokens_total, 1),
+                                   ("max_model_len", self.max_model_len, 2),
                                    ("prefetch_seqs", self.prefetch_seqs, 0)):
             if value is not None and value < least:
                 raise SettingError(name, f"must be >= {least}, got {value}")

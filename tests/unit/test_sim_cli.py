@@ -63,6 +63,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     (["--workers", "0"], "--workers: must be >= 1, got 0"),
     (["--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
     (["--prefetch-seqs", "-1"], "--prefetch-seqs: must be >= 0, got -1"),
+    (["--max-model-len", "1"], "--max-model-len: must be >= 2, got 1"),
     # Negative or NaN latency would break virtual time's order; NaN silently (every
     # comparison false: nothing after the first event ever ran).
     (["--network-ms", "-5"], "--network-ms: must be a finite number >= 0, got -5.0"),

@@ -304,3 +304,35 @@ def test_a_run_stopped_by_its_progress_callback_is_a_run_of_that_duration():
     assert stopped_sink.finished == full_sink.finished and stopped_sink.ttft == full_sink.ttft
     assert stopped_sink.tokens == full_sink.tokens
     assert len(stopped_sink.finished) > 100 and stopped.num_arrivals < len(arrivals)
+
+
+def test_the_engines_length_limit_as_the_simulator_engine_applies_it():
+    """As `SimEngine`: a prompt that reaches the engine's longest sequence (the smaller of
+    max_model_len and the KV cache) is refused with prompt_too_long and released at the
+    dispatcher; an output is cut where prompt + output reaches it. Before, such
+    a sequence outgrew the cache and the fleet stalled without a word."""
+    from gpu_worker.sim.engine import SimEngine
+
+    t = table("long", "fits")
+    arrivals = ([Arrival(1.0 + i * 0.01, 0, 1500, 1000, 1000) for i in range(20)]
+                + [Arrival(1.0 + i * 0.01, 1, 900, 1000, 1000) for i in range(20)])
+    arrivals.sort(key=lambda a: a.t_s)
+    for max_model_len, kv_tokens in ((1200, 4096), (None, 2048)):
+        sink = Collect()
+        fleet = Fleet(config(t), t, sink, FleetSettings(
+            num_workers=2, max_num_seqs=8, kv_tokens_total=kv_tokens,
+            max_model_len=max_model_len))
+        engine = SimEngine(kv_tokens_total=kv_tokens, max_model_len=max_model_len or 0)
+        assert fleet.max_seq_len == engine.max_seq_len
+        fleet.run(iter(arrivals), 200.0)
+        limit = fleet.max_seq_len
+        refused = [r for r in sink.rejected if r[2] == "prompt_too_long"]
+        assert {r[0] for r in refused} == ({0} if limit <= 1500 else set())
+        assert len(refused) == (20 if limit <= 1500 else 0)
+        # Everything else finished, each output cut at the limit (not its 1,000 tokens).
+        assert len(sink.finished) == 40 - len(refused)
+        for tenant, *_, output_tokens, _ in sink.finished:
+            prompt = 1500 if tenant == 0 else 900
+            assert output_tokens == min(1000, limit - prompt)
+        # Nothing is left in flight or queued at the dispatcher.
+        assert fleet.scheduler.num_queued == 0 and fleet.scheduler.num_in_flight == 0
