@@ -102,6 +102,10 @@ def tuned_gc() -> Iterator[None]:
 PRINT_EVERY_S = 60.0  # simulated seconds between progress lines
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
 class _Interrupt:
     """Ctrl-C (SIGINT) during a run: the first one ends it at the next simulated second
     and the report covers what ran (an hour-long run keeps its first 50 minutes); a
@@ -233,7 +237,9 @@ def cmd_simulate(argv: list[str]) -> int:
             raise StopRun
         if t_s >= next_print_s:
             wall = time.perf_counter() - t0
-            print(f"  simulated {t_s:,.0f} s in {wall:,.1f} s wall", file=sys.stderr)
+            # At the rate so far (the first minute includes filling the fleet).
+            left = f", ~{_duration((duration_s - t_s) * wall / t_s)} left" if t_s else ""
+            print(f"  simulated {t_s:,.0f} s in {wall:,.1f} s wall{left}", file=sys.stderr)
             next_print_s = t_s + PRINT_EVERY_S
 
     with tuned_gc(), interrupt:
