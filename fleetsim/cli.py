@@ -251,8 +251,9 @@ def cmd_simulate(argv: list[str]) -> int:
                   file=sys.stderr)
             return 130
     wall_s = time.perf_counter() - t0
-    simulated_s = fleet.end_ms / 1000
-    if simulated_s < duration_s:
+    stopped = fleet.end_ms < duration_s * 1000.0  # Fleet.run's own end, exactly
+    simulated_s = fleet.end_ms / 1000 if stopped else duration_s
+    if stopped:
         recorder.stopped_at(simulated_s)
     # Peak RSS of this process (not tracemalloc: it would slow the run and inflate it).
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -267,7 +268,7 @@ def cmd_simulate(argv: list[str]) -> int:
         "simulated_s": simulated_s,
         "stopped_early": (f"interrupted at {simulated_s:g} of {duration_s:g} simulated s: "
                           f"this report covers [0, {simulated_s:g}) s"
-                          if simulated_s < duration_s else None),
+                          if stopped else None),
         "wall_s": round(wall_s, 2),
         "sim_s_per_wall_s": round(simulated_s / wall_s, 2) if wall_s > 0 else None,
         "arrivals": fleet.num_arrivals,
