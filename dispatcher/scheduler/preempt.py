@@ -268,11 +268,13 @@ class _Decision:
         if view is None:
             raise _NeverPreempts
         # The water-filled level: shares are min(demand, weight x level), so the
-        # highest share per weight is the level, unless slots are left over.
+        # highest share per weight is the level, unless slots are left over (demands
+        # and slots are whole, so a leftover is a whole slot; the sum of thousands of
+        # fractional shares may miss num_slots by rounding, never by a half).
         level, shared = 0.0, 0.0
         for s in view.standings.values():
             level, shared = max(level, s.share / s.weight), shared + s.share
-        if shared < num_slots - _EPS:
+        if shared < num_slots - 0.5:
             level = math.inf
         self.levels[name] = max(self.levels.get(name, 0.0), level)
         return view
