@@ -14,13 +14,14 @@ from tests.unit.test_preempt import cfg, req, run, worker_of
 pytestmark = pytest.mark.unit
 
 
-def test_a_new_tenant_that_cannot_be_owed_a_slot_does_not_force_a_decision():
+@pytest.mark.parametrize("policy", ["drr", "vtc"])
+def test_a_new_tenant_that_cannot_be_owed_a_slot_does_not_force_a_decision(policy):
     """After a decision that found nothing, a request from a tenant with nothing queued
     decides anew at once only if that tenant could be owed a slot: its share is at most
     weight x the tier's level, which a new demand only lowers. Twelve one-request
     tenants on four slots hold a third of a slot each; a thirteenth cannot be owed one
     (no decision until the recheck), a tenant of weight 40 can (decided, and served)."""
-    s = Scheduler(cfg(min_run_ms=0, quiet_preempt_after_ms=0,
+    s = Scheduler(cfg(policy, min_run_ms=0, quiet_preempt_after_ms=0,
                       tenants={"vip": TenantConfig("vip", weight=40)}))
     core = PoolCore(s, 3_500.0)
     for i in range(12):
