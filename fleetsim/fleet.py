@@ -78,10 +78,9 @@ class Fleet:
                                       kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
             for i in range(self.s.num_workers)]
         self._by_id = {w.worker_id: w for w in self.workers}
-        # The longest sequence an engine holds, as SimEngine.max_seq_len: a prompt that
-        # reaches it is refused, an output is cut there (never more than the cache).
-        kv_tokens = self.workers[0].core.kv_tokens_total
-        self.max_seq_len = min(self.s.max_model_len or kv_tokens, kv_tokens)
+        # The longest sequence an engine holds, as SimEngine's: a prompt that reaches it
+        # is refused, an output is cut there.
+        self.max_seq_len = self.workers[0].core.max_seq_len(self.s.max_model_len)
         self._events = event_heap()  # timers and step ends
         # Messages (`_send`) and pull expiries: fixed delays, so appended in time order.
         self._net: deque[tuple[float, int, Callable, object]] = deque()

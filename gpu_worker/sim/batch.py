@@ -182,9 +182,7 @@ class BatchCore:
         self.last_admitted: list[Seq] = []
         self.last_preempted: list[Seq] = []
         # Cumulative counters (module docstring); reset whenever the batch empties.
-        self._D = 0
-        self._T = 0.0
-        self._U = 0.0
+        self._D, self._T, self._U = 0, 0.0, 0.0
         self._grown = False  # this step's KV growth is allocated (schedule ran)
         self._kv_off = 0
         self._res = [0] * self.block_size
@@ -214,6 +212,11 @@ class BatchCore:
     @property
     def kv_tokens_total(self) -> int:
         return self.num_blocks_total * self.block_size
+
+    def max_seq_len(self, max_model_len: int | None) -> int:
+        """The longest sequence it holds: max_model_len (None or 0: unset), never more
+        than the whole cache (a longer one would evict itself forever)."""
+        return min(max_model_len or self.kv_tokens_total, self.kv_tokens_total)
 
     @property
     def kv_tokens_in_use(self) -> int:

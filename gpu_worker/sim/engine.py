@@ -168,11 +168,9 @@ class SimEngine:
         self.max_num_seqs = self.core.max_num_seqs
         self.block_size = self.core.block_size
         self.num_blocks_total = self.core.num_blocks_total
-        kv_capacity = self.num_blocks_total * self.block_size
-        self.max_model_len = max_model_len if max_model_len > 0 else kv_capacity  # 0: unset
-        # A sequence can never hold more tokens than the whole cache (it would evict
-        # itself forever), so the usable length is the smaller of the two.
-        self.max_seq_len = min(self.max_model_len, kv_capacity)
+        # 0: unset (the cache bounds a sequence)
+        self.max_model_len = max_model_len if max_model_len > 0 else self.core.kv_tokens_total
+        self.max_seq_len = self.core.max_seq_len(max_model_len)
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.time_scale = time_scale
