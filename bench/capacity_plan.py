@@ -31,7 +31,6 @@ thousands of backlogged tenants, every preemption decision ranks them all.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -402,9 +401,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--workers needs counts >= 1, --seeds and --jobs >= 1")
     if a.slots < 1:
         ap.error(f"--slots must be >= 1, got {a.slots}")
-    for flag, value in (("--duration-s", a.duration_s), ("--target-s", a.target_s)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            ap.error(f"{flag} must be a finite number > 0, got {value:g}")
+    from fleetsim.cli import not_positive
+
+    bad = not_positive((("--duration-s", a.duration_s), ("--target-s", a.target_s)))
+    if bad:
+        ap.error(bad)
     return a
 
 

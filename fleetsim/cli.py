@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -153,6 +153,15 @@ def _run_compiled(argv: list[str]) -> int:
     return run_in_foreground([sys.executable, "-P", "-m", "fleetsim", *argv], env=env)
 
 
+def not_positive(flags: Iterable[tuple[str, float | None]]) -> str | None:
+    """What is wrong with the first given flag that is not a finite number > 0 (None:
+    all are, or were not given). Also bench/capacity_plan.py's."""
+    for flag, value in flags:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"{flag} must be a finite number > 0, got {value:g}"
+    return None
+
+
 def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
     """The fleet's settings from the flags, or what is wrong with them (before anything
     is loaded or compiled: a bad flag is answered at once)."""
@@ -160,9 +169,9 @@ def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
 
     if bool(args.workload) == bool(args.usage):
         return "give a workload file or --usage FILE (one of them)"
-    for flag, value in (("--duration-s", args.duration_s), ("--window-s", args.window_s)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            return f"{flag} must be a finite number > 0, got {value:g}"
+    bad = not_positive((("--duration-s", args.duration_s), ("--window-s", args.window_s)))
+    if bad:
+        return bad
     try:
         return FleetSettings(num_workers=args.workers, step_model=args.step_model,
                              max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
