@@ -25,6 +25,7 @@ from dispatcher.scheduler.cost import make_cost_model
 from dispatcher.scheduler.loads import TenantChanges, TenantLoad, TenantLoads
 from dispatcher.scheduler.policies import Policy, make_policy
 from dispatcher.scheduler.preempt import Preemptor, WorkerOf, continuation_cost
+from dispatcher.scheduler.running import RunningIndex
 from dispatcher.scheduler.tenant_queue import shed_victims
 from dispatcher.scheduler.throttle import RateMeter, predict_wait_ms, retry_after_ms
 from dispatcher.scheduler.tiers import TierSelector
@@ -57,15 +58,14 @@ class Scheduler:
         self.rate = RateMeter(config.throttle_window_ms) if config.throttle_window_ms > 0 else None
         self._queued: dict[str, QueuedRequest] = {}
         self._in_flight: dict[str, InFlight] = {}
+        self.running = RunningIndex()  # the same per tier and tenant (read-only outside)
         self._loads = TenantLoads()  # per tenant, forgotten when idle (`sweep_tenants`)
         self._next_seq = 0
-        # Throttling's fair-share inputs: per (tier, tenant) queued counts, and per tier
-        # the total weight of its backlogged tenants. Both O(1) to maintain.
+        # Throttling's inputs, O(1) to keep: queued per (tier, tenant), backlogged weight.
         self._tt_queued: dict[tuple[int, str], int] = {}
         self._tier_weight: dict[int, float] = {}
         self._deadlines: list[tuple[float, int, QueuedRequest]] = []
         self._deadline_seq = itertools.count()
-        # Metrics.
         self.rejections: Counter[ErrorCode] = Counter()  # by reason, at admission
         self.drops: Counter[ErrorCode] = Counter()  # queued work removed (expired, shed)
         self.num_dispatched = 0
@@ -315,7 +315,8 @@ class Scheduler:
         if self.rate is not None:
             self.rate.add(now_ms, cost)
         self.num_dispatched += 1
-        self._in_flight[req.request_id] = InFlight(req, i)
+        f = self._in_flight[req.request_id] = InFlight(req, i)
+        self.running.add(f)
         return Dispatch(req, self.tiers.engine_priority(i) * ENGINE_PRIORITY_SPAN + bump, cost)
 
     def adopt(self, request_id: str, now_ms: float) -> QueuedRequest | None:
@@ -365,6 +366,7 @@ class Scheduler:
         f = self._in_flight.pop(request_id, None)
         if f is None:
             return None
+        self.running.remove(f)
         load = self._loads.touch(f.request.tenant)
         load.num_in_flight -= 1
         load.kv_tokens_in_flight -= f.request.est_kv_tokens
