@@ -1,6 +1,7 @@
 """Preemption decisions at many tenants (`dispatcher.scheduler.preempt`): what a
 decision costs is O(tenants with demand), so a request that cannot change its outcome
-must not force one."""
+must not force one, a decision that weighed many tenants spaces the next one, and the
+running counts come from the core's index, not from walking every request."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
-from fairlane.poolconfig import TenantConfig
-from tests.unit.test_preempt import cfg, req, run, worker_of
+from fairlane.poolconfig import TenantConfig, TierConfig
+from tests.unit.test_preempt import cfg, flood, req, run, worker_of
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +39,61 @@ def test_a_new_tenant_that_cannot_be_owed_a_slot_does_not_force_a_decision(polic
     core.submit(req("vip"), 1_025.0)
     (order,) = s.preemptions(1_025.0, 0, worker_of)
     assert order.for_tenant == "vip" and len(decided) > 2  # decided at once
+
+
+def test_a_decision_that_weighed_many_tenants_spaces_the_next_one():
+    """Above `spacing_from` tenants weighed, the next decision waits
+    `spacing_ms_per_tenant` per tenant weighed, whether the decision ordered or not and
+    even for a new waiter; at or below it, the next decision may follow at once."""
+    s = Scheduler(cfg(min_run_ms=0, quiet_preempt_after_ms=0))
+    s.preemptor.spacing_from, s.preemptor.spacing_ms_per_tenant = 2, 10.0
+    flood(s, "a", 10, 0)
+    run(s, 4, 0)
+    flood(s, "b", 1, 100)
+    (order,) = s.preemptions(100, 0, worker_of)
+    # Weighed: a's running count, then a and b's shares twice (for b's order, and the
+    # look for another after it).
+    weighed = s.preemptor.num_weighed
+    assert (s.preemptor.num_decisions, weighed) == (1, 5)
+    flood(s, "c", 1, 101)  # quiet and owed a slot, and it pokes: still spaced
+    assert s.preemptions(101, 0, worker_of) == []
+    assert s.preemptions(100 + weighed * 10.0 - 1, 0, worker_of) == []
+    assert s.preemptor.num_decisions == 1
+    (order,) = s.preemptions(100 + weighed * 10.0, 0, worker_of)
+    assert order.for_tenant == "c"
+    # Not spaced when it weighs no more than spacing_from.
+    s2 = Scheduler(cfg(min_run_ms=0, quiet_preempt_after_ms=0))
+    s2.preemptor.spacing_from = 5  # its first decision weighs 5
+    flood(s2, "a", 10, 0)
+    run(s2, 4, 0)
+    flood(s2, "b", 1, 100)
+    assert len(s2.preemptions(100, 0, worker_of)) == 1
+    flood(s2, "c", 1, 100)
+    assert len(s2.preemptions(100, 0, worker_of)) == 1
+
+
+def test_the_running_index_follows_dispatches_and_releases():
+    """`Scheduler.running` (what decisions count) agrees with the requests in flight."""
+    s = Scheduler(cfg(tiers=[TierConfig("gold"), TierConfig("standard")]))
+    flood(s, "a", 3, 0)
+    flood(s, "b", 2, 0, tier="gold")
+    ids = [d.request.request_id for d in s.select(5, 0)]
+
+    def index() -> dict[tuple[int, str], list[str]]:
+        return {(i, t): list(m) for i in (0, 1) for t, m in s.running.tier(i).items()}
+
+    def expected() -> dict[tuple[int, str], list[str]]:
+        out: dict[tuple[int, str], list[str]] = {}
+        for rid, f in s.in_flight_entries():
+            out.setdefault((f.tier_index, f.request.tenant), []).append(rid)
+        return out
+
+    assert index() == expected() and len(index()) == 2
+    s.on_finished(ids[0], None, 1)
+    assert s.requeue(ids[1], 2)
+    s.on_started(ids[2], 3)
+    s.preempted(ids[2], 5, 4)
+    assert index() == expected()
+    for rid in list(s.in_flight_ids()):
+        s.on_finished(rid, None, 5)
+    assert index() == {} and s.running.tier(7) == {}
