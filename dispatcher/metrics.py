@@ -77,6 +77,18 @@ PREEMPTIONS = Counter(
     "Running requests preempted to free a slot for a tenant below its fair share",
     ["tenant", "tier"],
 )
+# What preemption's decisions cost (`dispatcher.scheduler.preempt`: each weighs the
+# tenants with demand in the tiers it contests; above 2,000 weighed they space out).
+PREEMPTION_DECISIONS = Counter(
+    "fairlane_dispatcher_preemption_decisions_total",
+    "Preemption decisions made (each weighs the tenants with demand in the waiting tiers)",
+)
+PREEMPTION_TENANTS_WEIGHED = Counter(
+    "fairlane_dispatcher_preemption_tenants_weighed_total",
+    "Tenants weighed by preemption decisions (their cost: O(tenants weighed))",
+)
+# The preemptor's counts at the last pass (a new scheduler, after a takeover, from 0).
+_decisions_seen: list = [None, 0, 0]
 RECOMPUTED_TOKENS = Counter(
     "fairlane_dispatcher_recomputed_tokens_total",
     "Prefill tokens recomputed for continuations (preemption, migration), not cached",
@@ -165,6 +177,12 @@ def observe_scheduler(scheduler, now_ms: float, changes: TenantChanges) -> None:
         TIER_SHARE.labels(tier=tier).set(share)
     for tier, depth in depths.items():
         TIER_QUEUE_DEPTH.labels(tier=tier).set(depth)
+    pre = scheduler.preemptor
+    if _decisions_seen[0] is not pre:
+        _decisions_seen[:] = pre, 0, 0
+    PREEMPTION_DECISIONS.inc(pre.num_decisions - _decisions_seen[1])
+    PREEMPTION_TENANTS_WEIGHED.inc(pre.num_weighed - _decisions_seen[2])
+    _decisions_seen[1:] = pre.num_decisions, pre.num_weighed
 
 
 def _set_tenant_load(tenant: str, load: TenantLoad) -> bool:

@@ -283,6 +283,9 @@ def cmd_simulate(argv: list[str]) -> int:
         "arrivals": fleet.num_arrivals,
         "events": fleet.num_events,
         "preemptions_ordered": fleet.num_preemptions,
+        # The dispatcher's work for them: decisions, and tenants those weighed.
+        "preemption_decisions": fleet.scheduler.preemptor.num_decisions,
+        "preemption_tenants_weighed": fleet.scheduler.preemptor.num_weighed,
         "recomputed_tokens": sum(w.core.num_recomputed_tokens for w in fleet.workers),
         "peak_rss_mib": round(peak_rss_mib, 1),
         "compiled": args.compiled,

@@ -74,7 +74,8 @@ def test_compiled_run_gives_the_interpreted_result(tmp_path, cache, policy):
     if policy != "fifo":
         assert plain["meta"]["preemptions_ordered"] > 0
     assert fast["summary"] == plain["summary"]
-    for key in ("arrivals", "events", "preemptions_ordered", "recomputed_tokens"):
+    for key in ("arrivals", "events", "preemptions_ordered", "recomputed_tokens",
+                "preemption_decisions", "preemption_tenants_weighed"):
         assert fast["meta"][key] == plain["meta"][key], key
     # Built once, into the private cache, and reused by the next policy's run.
     built = list((Path(cache["FAIRLANE_CACHE_DIR"]) / "mypyc").iterdir())

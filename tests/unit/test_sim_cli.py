@@ -42,6 +42,10 @@ def test_simulate_writes_a_report_and_preemption_serves_the_paid_tier(tmp_path):
     off = run(tmp_path, "--no-preemption")
     assert on["meta"]["preemption"] == "on" and off["meta"]["preemption"] == "off"
     assert on["meta"]["preemptions_ordered"] > 0 and off["meta"]["preemptions_ordered"] == 0
+    # Each order came from a decision, which weighed at least the waiter and its victim.
+    decisions = on["meta"]["preemption_decisions"]
+    assert 0 < decisions and on["meta"]["preemption_tenants_weighed"] >= 2 * decisions
+    assert off["meta"]["preemption_decisions"] == 0
 
     def ttft_p90(doc: dict) -> float:
         return doc["summary"]["by_tier"]["paid"]["ttft_s"]["p90"]
