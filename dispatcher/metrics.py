@@ -33,6 +33,7 @@ cannot be told (an unparseable subject) count under ``tenant="_unknown"``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -87,8 +88,9 @@ PREEMPTION_TENANTS_WEIGHED = Counter(
     "fairlane_dispatcher_preemption_tenants_weighed_total",
     "Tenants weighed by preemption decisions (their cost: O(tenants weighed))",
 )
-# The preemptor's counts at the last pass (a new scheduler, after a takeover, from 0).
-_decisions_seen: list = [None, 0, 0]
+# Each preemptor's counts at its last pass (a new scheduler after a takeover, or a
+# second dispatcher in the same process, counts from its own 0).
+_decisions_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 RECOMPUTED_TOKENS = Counter(
     "fairlane_dispatcher_recomputed_tokens_total",
     "Prefill tokens recomputed for continuations (preemption, migration), not cached",
@@ -178,11 +180,10 @@ def observe_scheduler(scheduler, now_ms: float, changes: TenantChanges) -> None:
     for tier, depth in depths.items():
         TIER_QUEUE_DEPTH.labels(tier=tier).set(depth)
     pre = scheduler.preemptor
-    if _decisions_seen[0] is not pre:
-        _decisions_seen[:] = pre, 0, 0
-    PREEMPTION_DECISIONS.inc(pre.num_decisions - _decisions_seen[1])
-    PREEMPTION_TENANTS_WEIGHED.inc(pre.num_weighed - _decisions_seen[2])
-    _decisions_seen[1:] = pre.num_decisions, pre.num_weighed
+    decisions, weighed = _decisions_seen.get(pre, (0, 0))
+    PREEMPTION_DECISIONS.inc(pre.num_decisions - decisions)
+    PREEMPTION_TENANTS_WEIGHED.inc(pre.num_weighed - weighed)
+    _decisions_seen[pre] = pre.num_decisions, pre.num_weighed
 
 
 def _set_tenant_load(tenant: str, load: TenantLoad) -> bool:

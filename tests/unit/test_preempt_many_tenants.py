@@ -101,7 +101,8 @@ def test_the_running_index_follows_dispatches_and_releases():
 
 def test_the_dispatchers_metrics_count_decisions_and_tenants_weighed():
     """`fairlane_dispatcher_preemption_decisions_total` and `..._tenants_weighed_total`
-    follow the preemptor's counts, per pass; a new scheduler (a takeover) counts on."""
+    follow the preemptors' counts, per pass; a second scheduler in the process (a
+    takeover, a standby) counts from its own 0, passes interleaved or not."""
     from prometheus_client import REGISTRY
 
     from dispatcher import metrics
@@ -110,14 +111,17 @@ def test_the_dispatchers_metrics_count_decisions_and_tenants_weighed():
     def sample(name: str) -> float:
         return REGISTRY.get_sample_value(f"fairlane_dispatcher_{name}_total") or 0.0
 
-    before = sample("preemption_decisions"), sample("preemption_tenants_weighed")
-    for _ in range(2):  # the second scheduler's counts add to the first's
+    def preempting() -> Scheduler:
         s = Scheduler(cfg(min_run_ms=0, quiet_preempt_after_ms=0))
         flood(s, "a", 10, 0)
         run(s, 4, 0)
         flood(s, "b", 1, 100)
-        assert len(s.preemptions(100, 0, worker_of)) == 1
+        assert len(s.preemptions(100, 0, worker_of)) == 1  # one decision, 5 weighed
+        return s
+
+    before = sample("preemption_decisions"), sample("preemption_tenants_weighed")
+    first, second = preempting(), preempting()
+    for s in (first, second, first, second):  # a pass with nothing new adds nothing
         metrics.observe_scheduler(s, 100, TenantChanges())
-        metrics.observe_scheduler(s, 200, TenantChanges())  # nothing new: no change
     assert sample("preemption_decisions") - before[0] == 2
     assert sample("preemption_tenants_weighed") - before[1] == 2 * 5
