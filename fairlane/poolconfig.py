@@ -147,6 +147,11 @@ class SchedulerConfig:
                 cfg = self._unknown[name] = dataclasses.replace(self.default_tenant, name=name)
         return cfg
 
+    def weight(self, name: str) -> float:
+        """The tenant's DRR/VTC weight (1.0 for a tenant this pool does not know)."""
+        cfg = self.tenant(name)
+        return cfg.weight if cfg else 1.0
+
     def forget_unknown(self, names: Iterable[str]) -> None:
         """Drop the cached settings of these tenants (the scheduler forgot them: idle)."""
         for name in names:

@@ -201,10 +201,8 @@ class TenantBook:
         st = self.states.get(key)
         if st is None:
             self.tiers.add(req.tier)
-            tcfg = self.config.tenant(req.tenant)
-            st = self.states[key] = TenantState(
-                req.tenant, req.tier, tcfg.weight if tcfg else 1.0
-            )
+            st = self.states[key] = TenantState(req.tenant, req.tier,
+                                                self.config.weight(req.tenant))
         return st
 
     def park(self, st: TenantState) -> None:
@@ -231,8 +229,7 @@ class TenantBook:
         """New weights apply to every known tenant state; credits and queues stay."""
         self.config = config
         for st in self.states.values():
-            tcfg = config.tenant(st.tenant)
-            st.weight = max(tcfg.weight if tcfg else 1.0, 1e-9)
+            st.weight = max(config.weight(st.tenant), 1e-9)
 
     def standings(self, tier: str, running: Mapping[str, int], num_slots: int) -> dict[str, Standing]:
         """Every tenant of `tier` with demand, against its water-filled slot share.

@@ -138,8 +138,7 @@ class Scheduler:
     def predicted_wait_ms(self, tenant: str, tier: str, now_ms: float) -> float | None:
         """How long a new request of `tenant` would wait now (None: unknown)."""
         i = self.tiers.index(tier)
-        tcfg = self.config.tenant(tenant)
-        weight = tcfg.weight if tcfg else 1.0
+        weight = self.config.weight(tenant)
         load = self._loads.get(tenant)
         backlogged = self._tt_queued.get((i, tenant), 0) > 0
         return predict_wait_ms(
@@ -213,8 +212,7 @@ class Scheduler:
         key = (i, req.tenant)
         n = self._tt_queued.get(key, 0)
         if n == 0:
-            tcfg = self.config.tenant(req.tenant)
-            self._tier_weight[i] = self._tier_weight.get(i, 0.0) + (tcfg.weight if tcfg else 1.0)
+            self._tier_weight[i] = self._tier_weight.get(i, 0.0) + self.config.weight(req.tenant)
         self._tt_queued[key] = n + 1
         if req.deadline_ms is not None:
             heapq.heappush(self._deadlines, (req.deadline_ms, next(self._deadline_seq), req))
@@ -232,8 +230,7 @@ class Scheduler:
         if n > 0:
             self._tt_queued[key] = n
         else:
-            tcfg = self.config.tenant(req.tenant)
-            w = self._tier_weight.get(i, 0.0) - (tcfg.weight if tcfg else 1.0)
+            w = self._tier_weight.get(i, 0.0) - self.config.weight(req.tenant)
             self._tier_weight[i] = max(w, 0.0)
 
     # --- selection ---------------------------------------------------------------------
@@ -349,8 +346,7 @@ class Scheduler:
         self._tier_weight = {}
         for (i, tenant), n in self._tt_queued.items():
             if n > 0:
-                tcfg = config.tenant(tenant)
-                self._tier_weight[i] = self._tier_weight.get(i, 0.0) + (tcfg.weight if tcfg else 1.0)
+                self._tier_weight[i] = self._tier_weight.get(i, 0.0) + config.weight(tenant)
 
     # --- lifecycle ---------------------------------------------------------------------
 

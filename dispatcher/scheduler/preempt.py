@@ -254,8 +254,7 @@ class _Decision:
         # Counts per tenant from the core's index (O(tenants running), not O(requests)),
         # less the victims already ordered: their slots are promised to held waiters.
         self.weighed = 0  # tenants counted and weighed: what the decision cost
-        for i in range(len(self.tiers.tiers)):
-            by_tenant = core.running.tier(i)
+        for i, by_tenant in core.running.tiers():
             if by_tenant:
                 self.running[i] = Counter({t: len(m) for t, m in by_tenant.items()})
                 self.weighed += len(by_tenant)

@@ -10,6 +10,8 @@ decision reads counts per tenant and walks only its victim tenant's requests.
 
 from __future__ import annotations
 
+from collections.abc import ItemsView
+
 from dispatcher.scheduler.types import InFlight
 
 
@@ -40,6 +42,11 @@ class RunningIndex:
         del mine[req.request_id]
         if not mine:
             del by_tenant[req.tenant]
+
+    def tiers(self) -> ItemsView[int, dict[str, dict[str, InFlight]]]:
+        """(tier index, its tenants with requests in flight), read-only; a tier with
+        none left may still be listed, empty."""
+        return self._tiers.items()
 
     def tier(self, tier_index: int) -> dict[str, dict[str, InFlight]]:
         """The tier's tenants with requests in flight (read-only)."""
