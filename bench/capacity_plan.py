@@ -136,9 +136,13 @@ class AfterWarmup:
         if t_s - e2e_s >= self.warmup_s:
             self.inner.on_finished(tenant, t_s, e2e_s, ttft_s, output_tokens, preemptions)
 
-    def on_preempted(self, tenant: int, t_s: float, recomputed_tokens: int) -> None:
+    def on_preempted(self, tenant: int, t_s: float) -> None:
         if t_s >= self.warmup_s:
-            self.inner.on_preempted(tenant, t_s, recomputed_tokens)
+            self.inner.on_preempted(tenant, t_s)
+
+    def on_recomputed(self, tenant: int, t_s: float, num_tokens: int) -> None:
+        if t_s >= self.warmup_s:
+            self.inner.on_recomputed(tenant, t_s, num_tokens)
 
 
 @dataclass(frozen=True)

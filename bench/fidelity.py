@@ -264,7 +264,10 @@ class ObservingSink:
     def on_tokens(self, tenant: int, start_s: float, end_s: float, num_tokens: int) -> None:
         self.obs.generated(self.class_of[tenant], start_s, end_s, num_tokens)
 
-    def on_preempted(self, tenant: int, t_s: float, recomputed_tokens: int) -> None:
+    def on_preempted(self, tenant: int, t_s: float) -> None:
+        pass
+
+    def on_recomputed(self, tenant: int, t_s: float, num_tokens: int) -> None:
         pass
 
     def sample(self, t_s: float, queued_by_tier: list[int], running: int,

@@ -369,7 +369,7 @@ class Fleet:
             r: Req = seq.owner
             r.num_generated = seq.num_output_tokens
             r.preemptions += 1
-            self.sink.on_preempted(r.arrival.tenant, self.now_ms / 1000, 0)
+            self.sink.on_preempted(r.arrival.tenant, self.now_ms / 1000)
             self._send(self._on_preempted, (w, rid, seq.num_output_tokens))
         if replacement is not None:
             self._accept(w, replacement)
@@ -420,6 +420,8 @@ class Fleet:
         for seq in core.last_admitted:
             r: Req = seq.owner
             r.tok_ms, r.tok_out = now, seq.num_output_tokens
+            if seq.refill_tokens:  # a re-admission: what preempting it cost
+                self.sink.on_recomputed(r.arrival.tenant, now / 1000, seq.refill_tokens)
         if not core.running:
             w.run = None
             return

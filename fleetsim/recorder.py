@@ -108,7 +108,7 @@ class Recorder:
         # objects, and one call per event); columns as in `flush`. Tenant indices and
         # token counts are exact in a double up to 2**53.
         self._first, self._fin, self._tok = array("d"), array("d"), array("d")
-        self._rej, self._pre = array("d"), array("d")
+        self._rej, self._pre, self._rec = array("d"), array("d"), array("d")
 
     # --- Sink (hot path: one extend of a flat float64 buffer, folded in `flush`) ------
 
@@ -136,9 +136,14 @@ class Recorder:
         if len(self._tok) >= 4 * self.flush_every:
             self.flush()
 
-    def on_preempted(self, tenant: int, t_s: float, recomputed_tokens: int) -> None:
-        self._pre.extend((tenant, t_s, recomputed_tokens))
-        if len(self._pre) >= 3 * self.flush_every:
+    def on_preempted(self, tenant: int, t_s: float) -> None:
+        self._pre.extend((tenant, t_s))
+        if len(self._pre) >= 2 * self.flush_every:
+            self.flush()
+
+    def on_recomputed(self, tenant: int, t_s: float, num_tokens: int) -> None:
+        self._rec.extend((tenant, t_s, num_tokens))
+        if len(self._rec) >= 3 * self.flush_every:
             self.flush()
 
     def sample(self, t_s: float, queued_by_tier: list[int], running: int,
@@ -169,9 +174,10 @@ class Recorder:
 
     def flush(self) -> None:
         """Fold every pending event into the numpy state (also done by `summary`)."""
-        first, fin, tok, rej, pre = (_take(b, k) for b, k in (
-            (self._first, 3), (self._fin, 6), (self._tok, 4), (self._rej, 3), (self._pre, 3)))
-        batches = (first, fin, tok, rej, pre)
+        first, fin, tok, rej, pre, rec = (_take(b, k) for b, k in (
+            (self._first, 3), (self._fin, 6), (self._tok, 4), (self._rej, 3), (self._pre, 2),
+            (self._rec, 3)))
+        batches = (first, fin, tok, rej, pre, rec)
         # Column 0 is the tenant and column 1 the event's time in every kind.
         tenants = np.concatenate([b[:, 0] for b in batches]).astype(np.int64)
         if not len(tenants):
@@ -196,7 +202,7 @@ class Recorder:
         c["output_tokens"] += per_tenant(fin, out)
         c["preempted_requests"] += per_tenant(fin[fin[:, 5] > 0])
         c["preemptions"] += per_tenant(pre)
-        c["recomputed_tokens"] += per_tenant(pre, pre[:, 2])
+        c["recomputed_tokens"] += per_tenant(rec, rec[:, 2])
         c["rejected"] += per_tenant(rej)
         self._add_rejections(rej[:, 0].astype(np.int64), rej[:, 2].astype(np.int64))
         self._add_tokens(tok[:, 0].astype(np.int64), tok[:, 2], tok[:, 1], tok[:, 3])

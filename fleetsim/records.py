@@ -69,8 +69,13 @@ class Sink(Protocol):
         """`num_tokens` generated for the tenant evenly over [start_s, end_s] (for
         shares over time): the fleet reports a run of engine steps at once."""
 
-    def on_preempted(self, tenant: int, t_s: float, recomputed_tokens: int) -> None:
+    def on_preempted(self, tenant: int, t_s: float) -> None:
         """One of the tenant's running requests was preempted for fairness."""
+
+    def on_recomputed(self, tenant: int, t_s: float, num_tokens: int) -> None:
+        """An engine admitted one of the tenant's requests again (resumed after a
+        fleet preemption, or after its own KV preemption) and prefills `num_tokens`
+        it had computed before (less what its prefix cache still held)."""
 
     def sample(self, t_s: float, queued_by_tier: list[int], running: int,
                busy_workers: int) -> None:

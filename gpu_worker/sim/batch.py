@@ -62,7 +62,7 @@ class Seq:
     __slots__ = ("request_id", "priority", "num_prompt_tokens", "target_output_tokens",
                  "cache_key", "is_resume", "owner", "arrival", "state", "num_admissions",
                  "num_preemptions", "num_recomputed_tokens", "num_cached_prompt_tokens",
-                 "order", "_core", "_out", "_kvts", "_t0", "_u0", "_d0", "_hit")
+                 "refill_tokens", "order", "_core", "_out", "_kvts", "_t0", "_u0", "_d0", "_hit")
 
     def __init__(self, request_id: str, priority: int, num_prompt_tokens: int,
                  target_output_tokens: int, cache_key: tuple[str, str], is_resume: bool = False,
@@ -82,6 +82,9 @@ class Seq:
         # hold, and prompt tokens it did.
         self.num_recomputed_tokens = 0
         self.num_cached_prompt_tokens = 0
+        # The latest admission's recomputed tokens (0 for a first one): every re-prefill,
+        # a continuation's and one after a KV preemption alike (the core's counter's part).
+        self.refill_tokens = 0
         self._core: BatchCore | None = None  # set while running
         # Output tokens, whole request (resumed-from included); while running, less _D.
         self._out = num_output_tokens
@@ -435,6 +438,7 @@ class BatchCore:
             hit_tokens = hit_blocks * self.block_size
             self.num_recomputed_tokens += num_tokens - hit_tokens
             self.num_prefix_cache_hit_tokens += hit_tokens
+            seq.refill_tokens = num_tokens - hit_tokens
             if seq.num_admissions == 0:  # the continuation's own re-prefill
                 seq.num_recomputed_tokens = num_tokens - hit_tokens
                 seq.num_cached_prompt_tokens = min(hit_tokens, seq.num_prompt_tokens)

@@ -76,13 +76,15 @@ def test_requests_arriving_in_the_warm_up_are_left_out():
     s.on_finished(1, 20.0, 10.0, 2.0, 100, 0)  # arrived at 10 s: in
     s.on_rejected(2, 9.9, "queue_full")
     s.on_rejected(3, 10.0, "queue_full")
-    s.on_preempted(4, 5.0, 10)
-    s.on_preempted(5, 11.0, 10)
+    s.on_preempted(4, 5.0)
+    s.on_preempted(5, 11.0)
+    s.on_recomputed(4, 9.0, 10)
+    s.on_recomputed(5, 12.0, 10)
     s.on_tokens(6, 0.0, 1.0, 5)  # windows pass whole: run_one skips the early ones
     s.sample(1.0, [0], 0, 0)
     assert [c[:2] for c in inner.calls] == [
         ("on_first_token", 1), ("on_finished", 1), ("on_rejected", 3), ("on_preempted", 5),
-        ("on_tokens", 6), ("sample", 1.0)]
+        ("on_recomputed", 5), ("on_tokens", 6), ("sample", 1.0)]
 
 
 # --- the workload --------------------------------------------------------------------------------

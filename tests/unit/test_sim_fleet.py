@@ -33,6 +33,7 @@ class Collect:
         self.window_tokens: dict[int, float] = defaultdict(float)
         self.window = (0.0, 0.0)
         self.preempted = 0
+        self.recomputed: dict[int, int] = defaultdict(int)
         self.samples = 0
 
     def on_rejected(self, tenant, t_s, code):
@@ -51,8 +52,11 @@ class Collect:
             overlap = max(0.0, min(end_s, hi) - max(start_s, lo))
             self.window_tokens[tenant] += num_tokens * overlap / (end_s - start_s)
 
-    def on_preempted(self, tenant, t_s, recomputed_tokens):
+    def on_preempted(self, tenant, t_s):
         self.preempted += 1
+
+    def on_recomputed(self, tenant, t_s, num_tokens):
+        self.recomputed[tenant] += num_tokens
 
     def sample(self, t_s, queued_by_tier, running, busy_workers):
         self.samples += 1
@@ -131,8 +135,33 @@ def test_runs_of_steps_change_nothing():
     assert a.ttft == b.ttft
     assert a.tokens == b.tokens
     assert a.preempted == b.preempted > 0
+    assert a.recomputed == b.recomputed
     assert engines(fast) == engines(slow)
     assert fast.num_events < slow.num_events * 0.7
+
+
+def test_recomputed_tokens_are_reported_per_tenant_as_the_engines_count_them():
+    """A preemption's cost, the tokens prefilled again when the request is admitted
+    again (fleet preemption: the continuation; KV exhaustion: the engine's own), goes
+    to the tenant whose request it is, and adds up to the engines' counters."""
+    arrivals = flood_and_probe(burst=800, duration_s=15.0)
+    t = table("A", "L")
+    fleet, sink = run(arrivals, t, config(t), 60.0)
+    assert fleet.num_preemptions > 0
+    engine_total = sum(w.core.num_recomputed_tokens for w in fleet.workers)
+    assert sum(sink.recomputed.values()) == engine_total > 0
+    # The flood's requests are the ones preempted for the light tenant.
+    assert sink.recomputed[0] == engine_total
+    # KV exhaustion alone (no fleet preemption: one tenant).
+    rng = random.Random(8)
+    t1 = table("a")
+    arrivals = sorted((Arrival(rng.uniform(0, 12), 0, rng.randint(8, 900),
+                               rng.randint(1, 400), 400) for _ in range(300)),
+                      key=lambda a: a.t_s)
+    fleet, sink = run(arrivals, t1, config(t1), 120.0, kv_tokens_total=16 * 400)
+    assert fleet.num_preemptions == 0
+    assert sum(w.core.num_preemptions for w in fleet.workers) > 0
+    assert sink.recomputed[0] == sum(w.core.num_recomputed_tokens for w in fleet.workers) > 0
 
 
 def test_runs_cut_mid_run_change_nothing():
@@ -147,6 +176,7 @@ def test_runs_cut_mid_run_change_nothing():
     assert sorted(a.finished) == sorted(b.finished)
     assert a.ttft == b.ttft
     assert a.tokens == b.tokens
+    assert a.recomputed == b.recomputed
     assert engines(fast) == engines(slow)
     assert sum(w.core.num_preemptions for w in fast.workers) > 0  # KV exhaustion too
 

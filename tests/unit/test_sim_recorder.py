@@ -150,7 +150,9 @@ def test_counters_rejections_and_preemptions_per_tier_and_tenant():
     rec.on_rejected(3, 1.0, "queue_full")
     rec.on_rejected(3, 2.0, "queue_full")
     rec.on_rejected(5, 2.0, "throttled")
-    rec.on_preempted(5, 3.0, recomputed_tokens=40)
+    rec.on_preempted(5, 3.0)
+    rec.on_recomputed(5, 3.5, 30)  # resumed, then KV-preempted and admitted again
+    rec.on_recomputed(5, 4.0, 10)
     s = rec.summary()
     ent = s["by_tier"]["enterprise"]  # t0, t3
     assert ent["finished"] == 2 and ent["output_tokens"] == 10 + 13
