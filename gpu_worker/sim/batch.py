@@ -79,12 +79,8 @@ class Seq:
         self.num_admissions = 0
         self.num_preemptions = 0
         # A continuation's first admission: re-prefilled tokens the prefix cache did not
-        # hold, and prompt tokens it did.
-        self.num_recomputed_tokens = 0
-        self.num_cached_prompt_tokens = 0
-        # The latest admission's recomputed tokens (0 for a first one): every re-prefill,
-        # a continuation's and one after a KV preemption alike (the core's counter's part).
-        self.refill_tokens = 0
+        # hold, and prompt tokens it did. refill_tokens: the latest admission's (any).
+        self.num_recomputed_tokens = self.num_cached_prompt_tokens = self.refill_tokens = 0
         self._core: BatchCore | None = None  # set while running
         # Output tokens, whole request (resumed-from included); while running, less _D.
         self._out = num_output_tokens
