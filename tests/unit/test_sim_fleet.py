@@ -7,6 +7,7 @@ runs of engine steps changes nothing, and that the product's policies show throu
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import defaultdict
 
@@ -179,6 +180,25 @@ def test_runs_cut_mid_run_change_nothing():
     assert a.recomputed == b.recomputed
     assert engines(fast) == engines(slow)
     assert sum(w.core.num_preemptions for w in fast.workers) > 0  # KV exhaustion too
+
+
+def test_a_run_makes_no_cyclic_garbage():
+    """`fleetsim.cli.tuned_gc` lets the cycle collector run rarely (every 500,000 net
+    allocations): memory stays bounded only because a run leaves next to no cycles,
+    whatever happens to its requests (preemptions, KV exhaustion, refusals)."""
+    arrivals = flood_and_probe(burst=800, duration_s=15.0)
+    arrivals.append(Arrival(3.0, 1, 10**6, 16, 48))  # prompt_too_long
+    t = table("A", "L")
+    gc.collect()
+    gc.disable()
+    try:
+        fleet, sink = run(arrivals, t, config(t), 60.0, kv_tokens_total=16 * 300)
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert fleet.num_preemptions > 0 and sink.rejected
+    assert sum(w.core.num_preemptions for w in fleet.workers) > 0
+    assert found < 50, f"{found} objects in cycles after {len(arrivals)} requests"
 
 
 class AskEveryPull(Fleet):
