@@ -85,8 +85,10 @@ class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
 
 
 class FairlaneError(Exception):
-    """Base of every fairlane error: a stable `code`, a `message` for the caller and,
-    for retryable refusals, `retry_after_ms`. Subclasses pick their default code."""
+    """Base of every fairlane error: a stable `code`, a `message` for the caller,
+    for retryable refusals `retry_after_ms`, and for a refused parameter its name
+    (`param`, e.g. "max_tokens": the HTTP edge's OpenAI error names it). Subclasses
+    pick their default code."""
 
     default_code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
 
@@ -96,11 +98,13 @@ class FairlaneError(Exception):
         code: ErrorCode | str | None = None,
         *,
         retry_after_ms: int | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = ErrorCode(code) if code is not None else self.default_code
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.param = param
 
     @property
     def retryable(self) -> bool:
@@ -117,5 +121,6 @@ class FairlaneError(Exception):
 
     @classmethod
     def from_error(cls, exc: FairlaneError) -> Self:
-        """`exc`'s code, message and hint as this class (crossing a package boundary)."""
-        return cls(exc.message, exc.code, retry_after_ms=exc.retry_after_ms)
+        """`exc`'s code, message, hint and parameter as this class (crossing a package
+        boundary)."""
+        return cls(exc.message, exc.code, retry_after_ms=exc.retry_after_ms, param=exc.param)

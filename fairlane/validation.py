@@ -23,8 +23,11 @@ class RequestLimits:
     max_stop_sequences: int = 8
 
 
-def invalid(message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> ProtocolError:
-    return ProtocolError(message, code)
+def invalid(message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST,
+            param: str | None = None) -> ProtocolError:
+    """`param`: the refused parameter's name, as the caller wrote it where the edges
+    use the same name (sampling parameters, prompt, messages)."""
+    return ProtocolError(message, code, param=param)
 
 
 def prompt_chars(req: InferenceRequest) -> int:
@@ -41,37 +44,38 @@ def check_request(req: InferenceRequest, limits: RequestLimits) -> InferenceRequ
     if sum(given) != 1:
         raise invalid("exactly one of prompt, messages or prompt_token_ids must be set")
     if req.prompt is not None and not req.prompt.strip():
-        raise invalid("prompt is empty")
+        raise invalid("prompt is empty", param="prompt")
     if req.messages is not None and (
         not req.messages or not any(m.content.strip() for m in req.messages)
     ):
-        raise invalid("messages are empty")
+        raise invalid("messages are empty", param="messages")
     if req.prompt_token_ids is not None and not req.prompt_token_ids:
-        raise invalid("prompt_token_ids is empty")
+        raise invalid("prompt_token_ids is empty", param="prompt_token_ids")
     if req.prompt_token_ids is not None and any(t < 0 for t in req.prompt_token_ids):
-        raise invalid("prompt_token_ids must be non-negative")
+        raise invalid("prompt_token_ids must be non-negative", param="prompt_token_ids")
     sp = req.sampling
     if not 1 <= sp.max_tokens <= limits.max_tokens:
-        raise invalid(f"max_tokens must be between 1 and {limits.max_tokens}, got {sp.max_tokens}")
+        raise invalid(f"max_tokens must be between 1 and {limits.max_tokens}, got {sp.max_tokens}",
+                      param="max_tokens")
     if not 0.0 <= sp.temperature <= 2.0:
-        raise invalid(f"temperature must be in [0, 2], got {sp.temperature}")
+        raise invalid(f"temperature must be in [0, 2], got {sp.temperature}", param="temperature")
     if not 0.0 < sp.top_p <= 1.0:
-        raise invalid(f"top_p must be in (0, 1], got {sp.top_p}")
+        raise invalid(f"top_p must be in (0, 1], got {sp.top_p}", param="top_p")
     if len(sp.stop) > limits.max_stop_sequences:
-        raise invalid(f"at most {limits.max_stop_sequences} stop sequences")
+        raise invalid(f"at most {limits.max_stop_sequences} stop sequences", param="stop")
     if any(not s for s in sp.stop):
-        raise invalid("stop sequences must be non-empty")
+        raise invalid("stop sequences must be non-empty", param="stop")
     if req.expected_output_tokens is not None and req.expected_output_tokens < 0:
-        raise invalid("expected_output_tokens must be >= 0")
+        raise invalid("expected_output_tokens must be >= 0", param="expected_output_tokens")
     if prompt_chars(req) > limits.max_prompt_chars:
         raise invalid(
             f"prompt has {prompt_chars(req)} characters, over the limit of {limits.max_prompt_chars}",
-            ErrorCode.PROMPT_TOO_LONG,
+            ErrorCode.PROMPT_TOO_LONG, param="prompt" if req.prompt is not None else "messages",
         )
     if req.prompt_token_ids is not None and len(req.prompt_token_ids) > limits.max_prompt_tokens:
         raise invalid(
             f"prompt has {len(req.prompt_token_ids)} tokens, over the limit of {limits.max_prompt_tokens}",
-            ErrorCode.PROMPT_TOO_LONG,
+            ErrorCode.PROMPT_TOO_LONG, param="prompt_token_ids",
         )
     if req.resume is not None:
         r = req.resume

@@ -67,10 +67,9 @@ class EdgeError(FairlaneError):
         retry_after_ms: int | None = None,
         status: int | None = None,
     ) -> None:
-        super().__init__(message, code, retry_after_ms=retry_after_ms)
+        super().__init__(message, code, retry_after_ms=retry_after_ms, param=param)
         default_status, self.type = _STATUS.get(self.code, (500, "server_error"))
         self.status = status or default_status
-        self.param = param
 
     @classmethod
     def of(cls, exc: FairlaneError) -> EdgeError:

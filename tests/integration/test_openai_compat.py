@@ -120,6 +120,16 @@ async def test_out_of_range_errors_say_what_is_allowed(edge, kwargs, message):
     assert e.value.body["message"] == message and e.value.param == next(iter(kwargs))
 
 
+async def test_a_limit_past_the_schema_names_its_param(edge):
+    """max_tokens over the pool's limit: refused by the request check past the schema
+    (the producer library's), still with the parameter named, as OpenAI's SDK reads it."""
+    _, sdk = edge
+    with pytest.raises(openai.BadRequestError) as e:
+        await sdk.chat.completions.create(model="p", messages=MESSAGES, max_tokens=10**7)
+    assert e.value.param == "max_tokens" and e.value.code == "invalid_request"
+    assert e.value.body["message"].startswith("max_tokens must be between 1 and ")
+
+
 async def test_null_knobs_mean_the_defaults(edge):
     """What OpenAI's API accepts: null for "the default" (frameworks send it)."""
     _, sdk = edge

@@ -7,7 +7,16 @@ import json
 import msgspec
 import pytest
 
-from fairlane.protocol import ErrorCode, ErrorInfo
+from fairlane.protocol import (
+    ChatMessage,
+    ErrorCode,
+    ErrorInfo,
+    InferenceRequest,
+    ProtocolError,
+    SamplingParams,
+)
+from fairlane.validation import RequestLimits, check_request
+from producer.stream import RequestError
 from streamer.errors import EdgeError, validation_message
 from streamer.http_api import decode_body, ignored_header
 from streamer.schema import (
@@ -253,6 +262,33 @@ def test_error_mapping_and_openai_shape():
                                            "param": None, "code": "queue_full"}}
     assert EdgeError.from_info(ErrorInfo.of(ErrorCode.WORKER_LOST, "x")).status == 503
     assert EdgeError.unauthorized().headers() == {"WWW-Authenticate": "Bearer"}
+
+
+@pytest.mark.parametrize("change,param,code", [
+    ({"max_tokens": 10**6}, "max_tokens", ErrorCode.INVALID_REQUEST),
+    ({"temperature": 3.0}, "temperature", ErrorCode.INVALID_REQUEST),
+    ({"top_p": 0.0}, "top_p", ErrorCode.INVALID_REQUEST),
+    ({"stop": [""]}, "stop", ErrorCode.INVALID_REQUEST),
+    ({"prompt": " "}, "prompt", ErrorCode.INVALID_REQUEST),
+    ({"prompt": "x" * 201}, "prompt", ErrorCode.PROMPT_TOO_LONG),
+    ({"prompt": None, "messages": [ChatMessage(role="user", content="x" * 201)]}, "messages",
+     ErrorCode.PROMPT_TOO_LONG),
+])
+def test_a_semantic_refusal_names_its_param_at_the_edge(change, param, code):
+    """check_request's refusals (the producer library's, past the edge's schema) keep
+    the parameter's name through RequestError to the OpenAI error body."""
+    sampling = {k: change.pop(k) for k in ("max_tokens", "temperature", "top_p", "stop")
+                if k in change}
+    fields = {"prompt": "hello", **change}
+    req = InferenceRequest(request_id="r1", tenant="t", tier="free", pool="p",
+                           reply_to="fl.reply.o.t.r1", sampling=SamplingParams(**sampling),
+                           **fields)
+    with pytest.raises(ProtocolError) as e:
+        check_request(req, RequestLimits(max_tokens=512, max_prompt_chars=200))
+    assert (e.value.param, e.value.code) == (param, code)
+    body = EdgeError.of(RequestError.from_error(e.value)).openai_body()["error"]
+    assert (body["param"], body["code"]) == (param, code.value), body
+    assert body["message"] == e.value.message
 
 
 def test_validation_message_names_param():
