@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated tenants to report one by one (besides the busiest)")
     p.add_argument("--out", default="simulate-out", help="directory for the report and plots")
     p.add_argument("--no-plots", action="store_true", help="markdown and JSON only")
+    p.add_argument("--time-dispatcher", action="store_true",
+                   help="time every call into the dispatcher's core (interpreted, as the "
+                        "dispatcher runs it) and report the CPU it would take: does one "
+                        "dispatcher keep up with this pool (fleetsim.core_clock)")
     p.add_argument("--compiled", action="store_true",
                    help="run the simulator's modules compiled with mypyc (same source, same "
                         "result, ~2x faster; built once into a cache: fleetsim.compiled)")
@@ -173,6 +177,9 @@ def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
 
     if bool(args.workload) == bool(args.usage):
         return "give a workload file or --usage FILE (one of them)"
+    if args.time_dispatcher and args.compiled:
+        return ("--time-dispatcher times the interpreted core the dispatcher runs; "
+                "it cannot be used with --compiled")
     bad = not_positive((("--duration-s", args.duration_s), ("--window-s", args.window_s)))
     if bad:
         return bad
@@ -203,6 +210,7 @@ def cmd_simulate(argv: list[str]) -> int:
                       f"{os.environ.get('PYTHONPATH', '')!r})", file=sys.stderr)
                 return 1
             return _run_compiled(argv)
+    from fleetsim.core_clock import CoreClock
     from fleetsim.fleet import Fleet, StopRun
     from fleetsim.recorder import Recorder
     from fleetsim.report import write_report
@@ -226,6 +234,7 @@ def cmd_simulate(argv: list[str]) -> int:
     try:
         recorder = Recorder(wl.tenants, duration_s, args.window_s, detail_tenants=detail)
         fleet = Fleet(cfg, wl.tenants, recorder, settings)
+        clock = CoreClock(fleet.core) if args.time_dispatcher else None
     except (OSError, ValueError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -294,6 +303,8 @@ def cmd_simulate(argv: list[str]) -> int:
         "peak_rss_mib": round(peak_rss_mib, 1),
         "compiled": args.compiled,
     }
+    if clock is not None:
+        extra |= clock.report(simulated_s, fleet.num_arrivals)
     command = "fairlane simulate " + shlex.join(argv)
     try:
         paths = write_report(summary, out_dir, command=command, extra_meta=extra,

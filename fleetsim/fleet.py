@@ -22,8 +22,8 @@ the glue the real processes provide over NATS, written as events:
 - heartbeats (every worker's in one event: they beat in step) and housekeeping go to
   the core as the shell sends them, so its liveness rules see a live fleet.
 
-Not modelled: the client and JetStream legs (ingest is instantaneous), worker or
-broker faults, and the edge's rate limits (the workload is what reaches the pool).
+Not modelled: the client and JetStream legs (ingest is instantaneous), faults, the
+edge's rate limits, the dispatcher's CPU (decisions take no time: `fleetsim.core_clock`).
 """
 
 from __future__ import annotations

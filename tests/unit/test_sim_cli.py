@@ -53,6 +53,43 @@ def test_simulate_writes_a_report_and_preemption_serves_the_paid_tier(tmp_path):
     assert ttft_p90(on) < ttft_p90(off) / 2
 
 
+def test_time_dispatcher_reports_the_cores_cpu_and_changes_nothing(tmp_path):
+    """--time-dispatcher: the time spent in the dispatcher's core, per entry point, with
+    every request's submit counted once; the simulation itself is the same."""
+    plain = run(tmp_path)
+    timed = run(tmp_path, "--time-dispatcher")
+    assert timed["summary"] == plain["summary"]
+    meta = timed["meta"]
+    assert "dispatcher_core_s" not in plain["meta"]
+    assert 0 < meta["dispatcher_core_s"] <= meta["wall_s"]
+    assert meta["dispatcher_core_pct_of_a_core"] == pytest.approx(
+        100 * meta["dispatcher_core_s"] / meta["simulated_s"], rel=0.01, abs=0.01)
+    assert meta["dispatcher_core_us_per_request"] == pytest.approx(
+        meta["dispatcher_core_s"] / meta["arrivals"] * 1e6, rel=0.01, abs=0.1)
+    assert "submit" in meta["dispatcher_core_by_call"]
+    assert f"({meta['arrivals']:,} calls)" in meta["dispatcher_core_by_call"]
+
+
+def test_the_core_clock_counts_nested_entry_points_once():
+    from fleetsim.core_clock import CoreClock
+
+    class Core:
+        def submit(self, x):
+            return self.select(x) + 1  # an entry point calling another
+
+        def select(self, x):
+            return x
+
+    core = Core()
+    for name in ("on_pull", "on_started", "on_finished", "on_preempted", "on_heartbeat",
+                 "on_handed_back", "on_start_checked", "on_cancel", "tick", "preemptions"):
+        setattr(core, name, lambda *a: None)
+    clock = CoreClock(core)
+    assert core.submit(1) == 2 and core.select(5) == 5
+    assert clock.calls["submit"] == 1 and clock.calls["select"] == 1  # not 2
+    assert clock.total_s == clock.seconds["submit"] + clock.seconds["select"] > 0
+
+
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert cmd_simulate([]) == 2
     assert "workload file or --usage" in capsys.readouterr().err
@@ -84,6 +121,8 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
                                 "at least 0.000301 s (--window-s)"),
     # Refused before the compiled copy is built (no child process, no compiler).
     (["--compiled", "--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
+    # The dispatcher runs the interpreted core: a compiled one's time would understate it.
+    (["--compiled", "--time-dispatcher"], "cannot be used with --compiled"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys, flags, message):
     wl = tmp_path / "wl.yaml"
