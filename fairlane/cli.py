@@ -330,9 +330,11 @@ class _Interrupted(BaseException):
 
 
 class _StopSignals:
-    """Raise `_Interrupted` on SIGINT/SIGTERM, except inside `held()`: an exception
-    raised in a fork's at-fork hooks is swallowed (and a child half-registered), so a
-    signal that arrives while a child is spawned is raised right after it instead."""
+    """Raise `_Interrupted` on the first SIGINT/SIGTERM, except inside `held()`: an
+    exception raised in a fork's at-fork hooks is swallowed (and a child
+    half-registered), so a signal that arrives while a child is spawned is raised right
+    after it instead. Later signals (Ctrl-C twice, Ctrl-C and a supervisor's SIGTERM)
+    only find the stop under way: raised again, one would cut the shutdown short."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -343,8 +345,8 @@ class _StopSignals:
         signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.requested = True
-        if not self._depth:
+        first, self.requested = not self.requested, True
+        if first and not self._depth:
             raise _Interrupted
 
     @contextlib.contextmanager

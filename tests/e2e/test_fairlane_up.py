@@ -82,3 +82,23 @@ async def test_fairlane_up_killed_with_sigkill_takes_its_children_along(tmp_path
         left = [cmdline(pid)[:120] for pid in children if alive(pid)]
         pytest.fail(f"still running 30 s after SIGKILL of fairlane up: {left}")
     assert not _port_open(nats_port) and not _port_open(http_port)
+
+
+async def test_a_second_stop_signal_while_stopping_still_stops_cleanly(tmp_path):
+    """Ctrl-C twice, or Ctrl-C and a supervisor's SIGTERM: the second signal lands while
+    the first is being handled. It must not cut the shutdown short (a traceback, the
+    children's graceful stop skipped)."""
+    proc, out, nats_port, http_port = await _start_up(tmp_path)
+    try:
+        children = descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # a different signal: not merged with the first
+        rest = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode == 0, out + rest[0]
+        assert "Traceback" not in rest[0] and "fairlane stopped" in rest[0], rest[0]
+        assert [pid for pid in children if alive(pid)] == []
+        assert not _port_open(nats_port) and not _port_open(http_port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
