@@ -330,11 +330,9 @@ class _Interrupted(BaseException):
 
 
 class _StopSignals:
-    """Raise `_Interrupted` on the first SIGINT/SIGTERM, except inside `held()`: an
-    exception raised in a fork's at-fork hooks is swallowed (and a child
-    half-registered), so a signal that arrives while a child is spawned is raised right
-    after it instead. Later signals (Ctrl-C twice, Ctrl-C and a supervisor's SIGTERM)
-    only find the stop under way: raised again, one would cut the shutdown short."""
+    """Raise `_Interrupted` on the first SIGINT/SIGTERM (a later one would cut the
+    shutdown short), except inside `held()`: an exception raised in a fork's at-fork
+    hooks is swallowed (and a child half-registered), so one raised then waits."""
 
     def __init__(self) -> None:
         self.requested = False
