@@ -5,7 +5,7 @@ refusals are `EdgeError`s (with the offending ``param`` when known), and the pro
 library's `RequestError`s pass through as they are. `EdgeError.of` gives any of them
 their HTTP status and OpenAI error ``type`` from the stable code, in one place. HTTP
 answers ``{"error": {"message", "type", "param", "code"}}``; websocket error frames
-carry the same code and message.
+carry the same code, message and param.
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ server -> client
     {"type": "end", "id": "c1", "finish_reason": "stop" | "length" | "cancelled" | ...,
      "usage": {"prompt_tokens": n, "completion_tokens": n, "total_tokens": n} | null}
     {"type": "error", "id": "c1" | null, "error": {"code": "...", "message": "...",
-     "retryable": bool, "retry_after_ms": n | null}}   (id null: frame-level error)
+     "retryable": bool, "retry_after_ms": n | null, "param": "..." | null}}
+                                                   (id null: frame-level error; param: the
+                                                   refused field, as OpenAI's error names it)
 
 Every request ends with exactly one ``end`` or ``error`` frame, unless the socket closes.
 
@@ -320,6 +322,9 @@ class ErrorBody(Struct, kw_only=True):
     message: str
     retryable: bool = False
     retry_after_ms: int | None = None
+    # The refused field when one is to blame (as OpenAI's error "param"), e.g. "max_tokens"
+    # over the pool's limit; null otherwise. Added after the first release: appended last.
+    param: str | None = None
 
 
 class ErrorFrame(Struct, kw_only=True, tag="error", tag_field="type"):

@@ -63,6 +63,7 @@ def _error_frame(cid: str | None, err: FairlaneError) -> ErrorFrame:
             message=err.message,
             retryable=err.retryable,
             retry_after_ms=err.retry_after_ms,
+            param=err.param,
         ),
     )
 

@@ -309,4 +309,4 @@ def test_ws_frames_round_trip():
         "type": "end", "id": "a", "finish_reason": "stop", "usage": None}
     assert json.loads(encode_frame(ErrorFrame(id=None, error=ErrorBody(code="c", message="m")))) \
         == {"type": "error", "id": None, "error": {"code": "c", "message": "m", "retryable": False,
-                                             "retry_after_ms": None}}
+                                             "retry_after_ms": None, "param": None}}
