@@ -11,7 +11,8 @@ runs from the fetch from JetStream to the dispatch; TTFT from that fetch to the
 worker's Started event, which it sends with the first token: every entry path
 (producer library, HTTP, websocket) alike, the edge -> JetStream hop before it and the
 token's way back left out. Continuations (after a preemption) are not a first token:
-``resume_seconds`` times them.
+``resume_seconds`` times them. ``event_loop_lag_seconds`` says whether the dispatcher's
+one core keeps up with its pool (`fairlane.looplag`).
 
 Per-tenant series follow the scheduler's live tenants, not every tenant ever seen: each
 pass sets the gauges of the tenants whose load changed since the last one, and removes
@@ -41,6 +42,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from dispatcher.scheduler.actions import Ack, Action
 from dispatcher.scheduler.loads import TenantChanges
 from dispatcher.scheduler.types import QueuedRequest, TenantLoad
+from fairlane.looplag import LAG_BUCKETS, LAG_HELP
 from fairlane.metrics_labels import OTHER_TENANT, UNKNOWN_TENANT, TenantLabels
 
 # Tenant label values (see the module docstring); `configure` sets the bound.
@@ -54,6 +56,8 @@ DISPATCHED_COST = Counter(
     "fairlane_dispatcher_dispatched_cost_total", "Cost units dispatched (estimate at dispatch)",
     ["tenant", "tier"],
 )
+# One core serves the whole pool: this says when it stops keeping up (fairlane.looplag).
+LOOP_LAG = Histogram("fairlane_dispatcher_event_loop_lag_seconds", LAG_HELP, buckets=LAG_BUCKETS)
 QUEUE_WAIT = Histogram(
     "fairlane_dispatcher_queue_wait_seconds", "Time from ingest to dispatch", ["tier"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),

@@ -34,6 +34,7 @@ from dispatcher.scheduler import actions as act
 from dispatcher.scheduler.core import Scheduler
 from dispatcher.scheduler.pool import PoolCore
 from dispatcher.stats_publisher import publish_stats
+from fairlane.looplag import watch_loop_lag
 from fairlane.natsconn import connect_options
 from fairlane.poolconfig import SchedulerConfig, check_policy
 from fairlane.protocol import (
@@ -162,6 +163,8 @@ class Dispatcher(Ingest, Matching):
             self.nc.publish, stranded_after_s=s.stranded_after_s,
             reply_allowed=self._reply_allowed)
         self._tasks.append(asyncio.create_task(self._janitor_loop()))
+        self._tasks.append(asyncio.create_task(
+            watch_loop_lag(metrics.LOOP_LAG.observe, role="dispatcher")))
         # Ready = reachable: the server has our subscriptions (a pull on another
         # connection right after a takeover would otherwise find no responders).
         await self.nc.flush(timeout=5)

@@ -59,6 +59,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from fairlane.looplag import LAG_BUCKETS, LAG_HELP
 from fairlane.metrics_labels import TenantLabels
 from fairlane.protocol import EngineLoad, Finished, Preempted, Requeue, Started, Usage
 
@@ -136,6 +137,8 @@ class WorkerMetrics:
         self.tenants_tracked = Gauge("fairlane_worker_metric_tenants",
                                      "Tenants with their own label value on this worker "
                                      "(at most --metrics-max-tenants)", registry=r)
+        self.loop_lag = Histogram("fairlane_worker_event_loop_lag_seconds", LAG_HELP,
+                                  buckets=LAG_BUCKETS, registry=r)  # fairlane.looplag
         self.engine_steps = Histogram("fairlane_worker_engine_step_seconds",
                                       "Engine step time (vLLM: its iteration time; "
                                       "simulator: simulated seconds)",

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from fairlane.looplag import watch_loop_lag
 from fairlane.natsconn import connect_options
 from fairlane.protocol import (
     GAP_CANCEL_REASON,
@@ -123,6 +124,9 @@ class Worker(RequestServing):
         preempt_sub = await nc.subscribe(self.subjects.preempt(self.s.pool), cb=self._on_preempt)
         hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         pull_task = asyncio.create_task(self._pull_loop(), name="pull")
+        # Tokens, heartbeats and pulls share this loop with the engine's output handling.
+        lag_task = asyncio.create_task(
+            watch_loop_lag(self.metrics.loop_lag.observe, role="worker"), name="loop-lag")
         self.log.info(
             "worker_started",
             incarnation=self.incarnation,
@@ -146,7 +150,8 @@ class Worker(RequestServing):
         finally:
             self._closing = True
             await asyncio.gather(*(cancel_and_wait(t)
-                                   for t in (stop_task, dead_task, hb_task, pull_task)))
+                                   for t in (stop_task, dead_task, hb_task, pull_task,
+                                             lag_task)))
             with contextlib.suppress(Exception):
                 for sub in cancel_subs:
                     await sub.unsubscribe()

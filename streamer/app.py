@@ -31,9 +31,10 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp
 
 from fairlane.errors import ErrorCode
+from fairlane.looplag import watch_loop_lag
 from fairlane.natsconn import connect_options
 from fairlane.ratelimit import RateLimiter, UsageSettler
-from fairlane.runtime import log_nats_error
+from fairlane.runtime import cancel_and_wait, log_nats_error
 from fairlane.tenants import TenantsWatcher
 from fairlane.validation import RequestLimits
 from producer.client import FairlaneClient
@@ -151,10 +152,13 @@ def create_app(
         await feed.start(c.nc, c.subjects)
         api = OpenAIApi(edge, settings.max_body_bytes)
         state.api = api
+        lag_task = asyncio.get_running_loop().create_task(
+            watch_loop_lag(metrics.LOOP_LAG.observe, role="streamer"))
         log.info("streamer_started", prefix=settings.prefix, inbox=c.inbox)
         try:
             yield
         finally:
+            await cancel_and_wait(lag_task)
             if settler is not None:
                 await settler.stop()
             await feed.stop()

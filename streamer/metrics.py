@@ -26,6 +26,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from fairlane.looplag import LAG_BUCKETS, LAG_HELP
 from fairlane.metrics_labels import UNKNOWN_TENANT, TenantLabels
 
 TENANTS = TenantLabels(max_tenants=1000, idle_s=600.0)  # `configure` sets the bound
@@ -60,6 +61,8 @@ TTFT = Histogram(
     ["tier"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+# Every stream the edge relays shares one loop (fairlane.looplag).
+LOOP_LAG = Histogram("fairlane_streamer_event_loop_lag_seconds", LAG_HELP, buckets=LAG_BUCKETS)
 
 
 def configure(max_tenants: int, idle_s: float) -> None:

@@ -151,6 +151,10 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
             problems = _promtool_problems(text)
             linted = linted and problems is not None
             assert not problems, f"{name}: {problems}"
+            # Every process watches its own event loop (fairlane.looplag): sampled already.
+            role = "worker" if name.startswith("worker") else name
+            lag = families[f"fairlane_{role}_event_loop_lag_seconds"]
+            assert next(x.value for x in lag.samples if x.name.endswith("_count")) >= 1, name
             if name.startswith("worker"):
                 started = families["fairlane_worker_requests_started"]
                 # Per worker it depends on who pulled what; over the fleet, every one.
