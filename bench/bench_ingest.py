@@ -23,6 +23,10 @@ child's reading is on the same clock; checked at start). What is timed:
   long-polling ``<prefix>.work.<pool>`` (``--pullers`` pulls of ``--max-items``
   outstanding), from the dispatcher's first fetch call to the peer holding N distinct
   requests.
+- ``ingest-gc-default`` / ``ingest-dispatch-gc-default``: the same two with the
+  interpreter's garbage-collector settings instead of the dispatcher's own
+  (``--gc-young-objects``, `fairlane.gctune`, which ``ingest`` and ``ingest-dispatch``
+  apply around the dispatcher as ``python -m dispatcher`` does): what that setting buys.
 
 Variants run interleaved (`bench.harness.run_interleaved`: every variant once per
 repetition, the order reversed every other one), ``--reps`` (5) repetitions after one
@@ -64,10 +68,11 @@ import uvloop  # noqa: E402
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy  # noqa: E402
 
 from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
-from bench.render_ingest import HOW_TO_READ, VARIANTS, note_for, report  # noqa: E402
+from bench.render_ingest import GC_DEFAULT, HOW_TO_READ, VARIANTS, note_for, report  # noqa: E402
 from dispatcher.config import DispatcherSettings  # noqa: E402
 from dispatcher.service import Dispatcher  # noqa: E402
 from fairlane.embedded import NatsServer, find_nats_server  # noqa: E402
+from fairlane.gctune import tuned_gc  # noqa: E402
 from fairlane.logs import configure_logging  # noqa: E402
 from fairlane.protocol import (  # noqa: E402
     InferenceRequest,
@@ -210,10 +215,11 @@ class Bench:
         prof = None
         if self.profiles is not None and variant not in self.profiles:
             prof = cProfile.Profile()
-        if variant == "ingest":
-            m = await dispatcher_ingest(self.url, s, self.n, self.args.batch, prof)
-        elif variant == "ingest-dispatch":
-            m = await dispatcher_drain(self.url, s, self.n, self.args, prof)
+        base, young = dispatcher_gc(variant)
+        if base == "ingest":
+            m = await dispatcher_ingest(self.url, s, self.n, self.args.batch, prof, young)
+        elif base == "ingest-dispatch":
+            m = await dispatcher_drain(self.url, s, self.n, self.args, prof, young)
         else:
             raise ValueError(f"unknown variant {variant!r}")
         if prof is not None:
@@ -274,26 +280,36 @@ def make_dispatcher(url: str, subjects: Subjects, n: int, batch: int) -> TimedDi
     return TimedDispatcher(ds, tenants=TenantsWatcher(ds.tenants_file or None), until=n)
 
 
+def dispatcher_gc(variant: str) -> tuple[str, int]:
+    """(the variant without its GC suffix, the collector setting it runs under): the
+    dispatcher's own (`--gc-young-objects`, as `python -m dispatcher` applies it), or
+    ``-gc-default``: the interpreter's (what every dispatcher ran before fairlane.gctune)."""
+    if variant.endswith(GC_DEFAULT):
+        return variant.removesuffix(GC_DEFAULT), 0
+    return variant, DispatcherSettings().gc_young_objects
+
+
 async def dispatcher_ingest(url: str, subjects: Subjects, n: int, batch: int,
-                            prof: cProfile.Profile | None) -> dict:
-    d = make_dispatcher(url, subjects, n, batch)
-    if prof:
-        prof.enable()
-    with ProcessCost() as cost:  # from start(): a few ms more than the timed window
-        t_start = time.perf_counter()
-        await d.start()
-        start_s = time.perf_counter() - t_start
-        await asyncio.wait_for(d.all_ingested.wait(), 300)
-    if prof:
-        prof.disable()
-    queued = d.scheduler.num_queued
-    await d.stop()  # un-acked messages go back to the stream, which is dropped next
+                            prof: cProfile.Profile | None, gc_young_objects: int) -> dict:
+    with tuned_gc(gc_young_objects):
+        d = make_dispatcher(url, subjects, n, batch)
+        if prof:
+            prof.enable()
+        with ProcessCost() as cost:  # from start(): a few ms more than the timed window
+            t_start = time.perf_counter()
+            await d.start()
+            start_s = time.perf_counter() - t_start
+            await asyncio.wait_for(d.all_ingested.wait(), 300)
+        if prof:
+            prof.disable()
+        queued = d.scheduler.num_queued
+        await d.stop()  # un-acked messages go back to the stream, which is dropped next
     return {"elapsed_s": d.t_last_ingest - d.t_first_fetch, "start_s": start_s,
             "queued_at_end": queued, **cost.figures()}
 
 
 async def dispatcher_drain(url: str, subjects: Subjects, n: int, args,
-                           prof: cProfile.Profile | None) -> dict:
+                           prof: cProfile.Profile | None, gc_young_objects: int) -> dict:
     peer = subprocess.Popen(
         [sys.executable, __file__, "--puller", url, subjects.work(POOL), str(n),
          str(args.pullers), str(args.max_items)], stdout=subprocess.PIPE, text=True)
@@ -302,18 +318,19 @@ async def dispatcher_drain(url: str, subjects: Subjects, n: int, args,
         ready = await loop.run_in_executor(None, peer.stdout.readline)
         if ready.strip() != "ready":
             raise RuntimeError(f"puller did not start: {ready!r}")
-        d = make_dispatcher(url, subjects, n, args.batch)
-        if prof:
-            prof.enable()
-        with ProcessCost() as cost:  # from start() to the peer's report read
-            await d.start()
-            line = await asyncio.wait_for(loop.run_in_executor(None, peer.stdout.readline),
-                                          300)
-        if prof:
-            prof.disable()
-        res = json.loads(line)
-        queued, in_flight = d.scheduler.num_queued, d.scheduler.num_in_flight
-        await d.stop()
+        with tuned_gc(gc_young_objects):
+            d = make_dispatcher(url, subjects, n, args.batch)
+            if prof:
+                prof.enable()
+            with ProcessCost() as cost:  # from start() to the peer's report read
+                await d.start()
+                line = await asyncio.wait_for(
+                    loop.run_in_executor(None, peer.stdout.readline), 300)
+            if prof:
+                prof.disable()
+            res = json.loads(line)
+            queued, in_flight = d.scheduler.num_queued, d.scheduler.num_in_flight
+            await d.stop()
         return {"elapsed_s": res["t_done"] - d.t_first_fetch, "pulls": res["pulls"],
                 "duplicates": res["duplicates"], "queued_at_end": queued,
                 "in_flight_at_end": in_flight, **cost.figures()}

@@ -31,8 +31,9 @@ from bench.render_common import (
 
 STEM = "ingest"
 RAW = "fetch-held"  # the client's limit the dispatcher is compared with
+GC_DEFAULT = "-gc-default"  # a dispatcher variant under the interpreter's GC settings
 VARIANTS = ("publish-sync", "publish-async", "fetch-held", "fetch-ack", "ingest",
-            "ingest-dispatch")
+            f"ingest{GC_DEFAULT}", "ingest-dispatch", f"ingest-dispatch{GC_DEFAULT}")
 # variant -> (what it is, what is timed)
 LABELS = {
     "publish-sync": ("raw JetStream `publish`, awaited one by one",
@@ -49,6 +50,9 @@ LABELS = {
                         "{max_items} (a peer process)",
                         "dispatcher's first fetch call → peer holds N distinct requests"),
 }
+for _v in ("ingest", "ingest-dispatch"):  # the same, under the interpreter's GC settings
+    LABELS[f"{_v}{GC_DEFAULT}"] = (LABELS[_v][0].replace("**", "")
+                                   + ", Python's default GC settings", LABELS[_v][1])
 
 
 # --- figures ---------------------------------------------------------------------------------
@@ -143,7 +147,21 @@ def note_for(data: dict) -> str:
             f"ingesting alone and {fmt_num(cpu[1], 0)} µs with dispatch; garbage-collector "
             f"pauses took {fmt_num(gcs[0], 1)}% and {fmt_num(gcs[1], 1)}% of the timed "
             f"window (medians over repetitions). "
-            + (ABOVE_INGEST if median(both) > 1 else BELOW_INGEST))
+            + (ABOVE_INGEST if median(both) > 1 else BELOW_INGEST)
+            + gc_default_note(records))
+
+
+def gc_default_note(records: Sequence[RunRecord]) -> str:
+    """CPU and GC of the dispatcher under Python's default GC settings, if measured."""
+    old = [f"ingest{GC_DEFAULT}", f"ingest-dispatch{GC_DEFAULT}"]
+    if not set(old) <= set(variants_in(records)):
+        return ""
+    cpu = [summarize(per_run(records, v, cpu_us_per_request)).median for v in old]
+    gcs = [summarize(per_run(records, v, gc_share)).median * 100 for v in old]
+    return (f" Under Python's default GC settings (collect every 700 net allocations) the "
+            f"same took {fmt_num(cpu[0], 0)} and {fmt_num(cpu[1], 0)} µs of CPU per "
+            f"request, with GC pauses {fmt_num(gcs[0], 1)}% and {fmt_num(gcs[1], 1)}% of "
+            f"the window.")
 
 
 # --- tables ----------------------------------------------------------------------------------
@@ -179,9 +197,20 @@ def rates_table(records: Sequence[RunRecord], setup: dict[str, Any]) -> str:
 
 
 def ratio_lines(records: Sequence[RunRecord]) -> list[str]:
-    return [f"- **dispatcher ingest ÷ raw fetch (held): {fmt_ratio(ratios(records, 'ingest'))}**",
-            f"- dispatcher ingest + dispatch ÷ raw fetch (held): "
-            f"{fmt_ratio(ratios(records, 'ingest-dispatch'))}"]
+    lines = [f"- **dispatcher ingest ÷ raw fetch (held): "
+             f"{fmt_ratio(ratios(records, 'ingest'))}**",
+             f"- dispatcher ingest + dispatch ÷ raw fetch (held): "
+             f"{fmt_ratio(ratios(records, 'ingest-dispatch'))}"]
+    if f"ingest{GC_DEFAULT}" in variants_in(records):
+        lines.append(f"- the dispatcher's GC setting ÷ Python's default, requests/s paired per "
+                     f"repetition: ingest {fmt_ratio(gc_gain(records, 'ingest'))}, ingest + "
+                     f"dispatch {fmt_ratio(gc_gain(records, 'ingest-dispatch'))}")
+    return lines
+
+
+def gc_gain(records: Sequence[RunRecord], variant: str) -> list[float]:
+    """`variant` ÷ the same under Python's default GC settings, per repetition."""
+    return ratios(records, variant, f"{variant}{GC_DEFAULT}")
 
 
 def run_rows(records: Sequence[RunRecord]) -> str:

@@ -11,6 +11,7 @@ import structlog
 from dispatcher.config import DispatcherSettings
 from dispatcher.service import Dispatcher
 from fairlane import otel
+from fairlane.gctune import tuned_gc
 from fairlane.logs import configure_logging
 from fairlane.runtime import Stopped, run, until_stopped
 from fairlane.settings import load_settings
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_json)
     otel.setup("dispatcher")  # only if the otel extra is installed and OTEL_* asks
     try:
-        return run(lambda stop: serve(settings, stop))
+        with tuned_gc(settings.gc_young_objects):  # after the imports and settings: frozen
+            return run(lambda stop: serve(settings, stop))
     finally:
         otel.shutdown()
 

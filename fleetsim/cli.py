@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import math
 import os
 import resource
@@ -22,11 +21,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
+
+from fairlane import gctune
 
 if TYPE_CHECKING:
     from fleetsim.state import FleetSettings
@@ -85,26 +86,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextlib.contextmanager
-def tuned_gc() -> Iterator[None]:
-    """Around a run: the workload, tenant table and scheduler config (O(tenants), alive
-    throughout) leave the collector's view, and young collections come less often. A
-    run allocates millions of short-lived objects and makes almost no cycles
-    (`test_sim_fleet.py::test_a_run_makes_no_cyclic_garbage`); with the defaults the
-    collector re-walked the 100,000 tenants' objects often enough to take 60% of a
-    1,000-worker run, and at 50,000 net allocations a young collection (walking the
-    requests in flight) still took 7% of it. At 500,000 it runs about once a simulated
-    minute there; what cycles a run could leave stay bounded by that count. Restored
-    afterwards."""
-    threshold = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(500_000, 20, 20)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
+SIM_YOUNG_OBJECTS = 500_000  # fairlane.gctune: net allocations between young collections
+
+
+def tuned_gc() -> contextlib.AbstractContextManager[None]:
+    """Around a run (`fairlane.gctune.tuned_gc`): the workload, tenant table and scheduler
+    config (O(tenants), alive throughout) leave the collector's view, and young
+    collections come less often. A run allocates millions of short-lived objects and
+    makes almost no cycles (`test_sim_fleet.py::test_a_run_makes_no_cyclic_garbage`);
+    with the defaults the collector re-walked the 100,000 tenants' objects often enough
+    to take 60% of a 1,000-worker run, and at 50,000 net allocations (the dispatcher's
+    setting) a young collection (walking the requests in flight) still took 7% of it.
+    At 500,000 it runs about once a simulated minute there; what cycles a run could
+    leave stay bounded by that count. Restored afterwards."""
+    return gctune.tuned_gc(SIM_YOUNG_OBJECTS)
 
 
 PRINT_EVERY_S = 60.0  # simulated seconds between progress lines

@@ -1,0 +1,43 @@
+"""The cycle collector's settings for fairlane's allocation-heavy loops.
+
+CPython collects its youngest generation after every 700 net new container objects
+(tuples, dicts, msgspec Structs, coroutine frames). A dispatcher allocates a few dozen
+per message and keeps many of them for a request's life (queued and held requests,
+in-flight state); each young collection walks what survived since the last one, and
+every tenth walks more. With the default, collections took 11-16% of a busy
+dispatcher's time (BENCHMARKS §1, `bench/bench_ingest.py`'s `-gc-default` rows). Its
+messages make almost no reference cycles, so collecting rarely frees the same memory,
+later: what cycles there are wait for at most `young_objects` more allocations.
+
+`tuned_gc` also freezes what is alive when it starts (modules, settings, the tenants
+file's objects, a simulator's workload), so no collection walks those again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+# The dispatcher's default (`--gc-young-objects`): GC pauses of a busy dispatcher 11-16%
+# -> 3-4% of its time in bench_ingest on the 2-core dev machine.
+DISPATCHER_YOUNG_OBJECTS = 50_000
+
+
+@contextlib.contextmanager
+def tuned_gc(young_objects: int) -> Iterator[None]:
+    """Within: what is alive now is frozen, and a young collection waits for
+    `young_objects` net allocations (older generations every 20 of the one below).
+    0 leaves the interpreter's settings alone. Restored afterwards."""
+    if young_objects <= 0:
+        yield
+        return
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(young_objects, 20, 20)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
