@@ -279,6 +279,10 @@ def summary_ingest(res: Results) -> list[str]:
              f"{data['setup']['batch']}, N = {data['setup']['n']:,}, one clock)")
     measured = (f"**{fmt_ratio(ing)}** over {len(ing)} paired reps (ingest + dispatch: "
                 f"{fmt_ratio(both)}, {len(both)} reps)")
+    if f"ingest{GC_DEFAULT}" in variants_in(records):
+        measured += (f"; the dispatcher's GC setting ÷ Python's default: ingest "
+                     f"{fmt_ratio(gc_gain(records, 'ingest'))}, ingest + dispatch "
+                     f"{fmt_ratio(gc_gain(records, 'ingest-dispatch'))}")
     return [claim, measured, "—", row_source(res, STEM)]
 
 

@@ -5,9 +5,12 @@ CPython collects its youngest generation after every 700 net new container objec
 per message and keeps many of them for a request's life (queued and held requests,
 in-flight state); each young collection walks what survived since the last one, and
 every tenth walks more. With the default, collections took 11-16% of a busy
-dispatcher's time (BENCHMARKS §1, `bench/bench_ingest.py`'s `-gc-default` rows). Its
-messages make almost no reference cycles, so collecting rarely frees the same memory,
-later: what cycles there are wait for at most `young_objects` more allocations.
+dispatcher's time (BENCHMARKS §1, `bench/bench_ingest.py`'s `-gc-default` rows). A
+finished request leaves next to nothing that only the cycle collector can free (~0.3
+objects per request over producer, dispatcher and worker, from periodic timeouts;
+`tests/integration/test_pipeline.py` fails at one per request), so collecting rarely
+frees the same memory, later: what cycles there are wait for at most `young_objects`
+more allocations.
 
 `tuned_gc` also freezes what is alive when it starts (modules, settings, the tenants
 file's objects, a simulator's workload), so no collection walks those again.

@@ -193,6 +193,9 @@ def test_the_gc_setting_is_paired_against_python_default_per_rep(tmp_path):
     assert ("| dispatcher ingest (decode, validate, admit, queue, hold), no workers, Python's "
             "default GC settings | dispatcher's first fetch call → N-th request queued | "
             "4,000 (3,200–4,000) | 0.40× (0.32–0.40) | 3 |") in lines
+    row = ri.SUMMARY_ROWS["ingest"](_results(tmp_path, recs))
+    assert row[1].endswith("; the dispatcher's GC setting ÷ Python's default: ingest 1.25× "
+                           "(1.25–2.00), ingest + dispatch 1.25× (1.25–1.25)")
 
 def test_an_older_file_without_the_gc_rows_renders_without_their_line():
     assert not any("GC setting" in ln for ln in ri.ratio_lines(_records()))
