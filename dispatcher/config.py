@@ -61,7 +61,7 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     # rest are counted as tenant="_other".
     metrics_max_tenants: Annotated[int, msgspec.Meta(ge=0)] = 1000
     # Net new objects between young garbage collections (fairlane.gctune; Python's own
-    # default is 700, kept by 0). Collecting that often took 11-16% of a busy
+    # default is 700, kept by 0). Collecting that often took 10-13% of a busy
     # dispatcher's time; its messages make almost no cycles.
     gc_young_objects: Annotated[int, msgspec.Meta(ge=0)] = DISPATCHER_YOUNG_OBJECTS
     log_level: LogLevel = "info"  # least severe log level written

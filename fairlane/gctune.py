@@ -4,7 +4,7 @@ CPython collects its youngest generation after every 700 net new container objec
 (tuples, dicts, msgspec Structs, coroutine frames). A dispatcher allocates a few dozen
 per message and keeps many of them for a request's life (queued and held requests,
 in-flight state); each young collection walks what survived since the last one, and
-every tenth walks more. With the default, collections took 11-16% of a busy
+every tenth walks more. With the default, collections took 10-13% of a busy
 dispatcher's time (BENCHMARKS §1, `bench/bench_ingest.py`'s `-gc-default` rows). A
 finished request leaves next to nothing that only the cycle collector can free (~0.3
 objects per request over producer, dispatcher and worker, from periodic timeouts;
@@ -22,7 +22,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-# The dispatcher's default (`--gc-young-objects`): GC pauses of a busy dispatcher 11-16%
+# The dispatcher's default (`--gc-young-objects`): GC pauses of a busy dispatcher 10-13%
 # -> 3-4% of its time in bench_ingest on the 2-core dev machine.
 DISPATCHER_YOUNG_OBJECTS = 50_000
 
