@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -136,8 +137,19 @@ def rejected(tenant: str | None, reason: str) -> None:
     TENANTS.child(REJECTED, tenant or UNKNOWN_TENANT, reason).inc()
 
 
+# Per-tier children, looked up once: tiers are few and their series never removed.
+_tier_children: dict[tuple[Histogram, str], Any] = {}
+
+
+def _per_tier(metric: Histogram, tier: str) -> Any:
+    found = _tier_children.get((metric, tier))
+    if found is None:
+        found = _tier_children[metric, tier] = metric.labels(tier)
+    return found
+
+
 def dispatched(req: QueuedRequest, queue_s: float, cost: float) -> None:
-    QUEUE_WAIT.labels(req.tier).observe(queue_s)
+    _per_tier(QUEUE_WAIT, req.tier).observe(queue_s)
     TENANTS.child(TENANT_QUEUE_WAIT, req.tenant).observe(queue_s)
     TENANTS.child(DISPATCHED_COST, req.tenant, req.tier).inc(cost)
 
@@ -150,10 +162,10 @@ def started(actions: list[Action], preempted_at_ms: float | None, now_ms: float)
     if req is None:  # a repeat, or from a worker the core does not know
         return
     if preempted_at_ms is not None:
-        RESUME_LATENCY.labels(req.tier).observe((now_ms - preempted_at_ms) / 1000)
+        _per_tier(RESUME_LATENCY, req.tier).observe((now_ms - preempted_at_ms) / 1000)
     elif not req.num_preemptions:
         ttft_s = max(0.0, now_ms - req.arrival_ms) / 1000
-        TTFT.labels(req.tier).observe(ttft_s)
+        _per_tier(TTFT, req.tier).observe(ttft_s)
         TENANTS.child(TENANT_TTFT, req.tenant).observe(ttft_s)
 
 

@@ -50,6 +50,10 @@ class TenantLabels:
         self._last_seen: OrderedDict[str, float] = OrderedDict()
         # The label sets each tenant has on each metric, for removing them.
         self._series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
+        # Each series' child by (metric, *label values): a hot path (every dispatch,
+        # first token, finished request) skips prometheus_client's label checks, ~2 µs
+        # a lookup. A tenant's entries go with its series (`forget`).
+        self._children: dict[tuple[Any, ...], Any] = {}
 
     def __len__(self) -> int:
         return len(self._last_seen)
@@ -87,9 +91,14 @@ class TenantLabels:
     def child(self, metric: Any, tenant: str, *rest: str) -> Any:
         """`metric`'s child for `tenant` (its first label) and the other label values
         `rest`, in the metric's label order; tracked, so that `forget` removes it."""
-        labels = (self.label(tenant), *rest)
-        self.track(labels[0], metric, labels)
-        return metric.labels(*labels)
+        label = self.label(tenant)
+        key = (metric, label, *rest)
+        found = self._children.get(key)
+        if found is None:
+            labels = (label, *rest)
+            self.track(label, metric, labels)
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def expire(self) -> int:
         """Drop every tenant idle for `idle_s` (unless kept) and its series; returns
@@ -112,6 +121,7 @@ class TenantLabels:
         """Drop `tenant`'s label value and remove its series now."""
         self._last_seen.pop(tenant, None)
         for metric, labels in self._series.pop(tenant, ()):
+            self._children.pop((metric, *labels), None)
             try:
                 metric.remove(*labels)
             except KeyError:  # already removed

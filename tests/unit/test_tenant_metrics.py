@@ -79,6 +79,36 @@ def test_kept_tenants_are_never_given_up_for_idleness_and_forget_removes_series(
     assert reg.get_sample_value("c_total", {"tenant": UNKNOWN_TENANT, "reason": "x"}) == 1
 
 
+def test_a_child_is_looked_up_once_and_a_forgotten_tenant_counts_from_zero_again():
+    """`child` keeps each series' child (the hot paths skip prometheus_client's label
+    checks); a tenant's go with its series, so it never counts into a removed one."""
+    clock = Clock()
+    reg = CollectorRegistry()
+    counter = Counter("c_total", "c", ["tenant", "reason"], registry=reg)
+    lab = TenantLabels(max_tenants=2, idle_s=60.0, clock=clock)
+    first = lab.child(counter, "a", "x")
+    assert lab.child(counter, "a", "x") is first
+    assert lab.child(counter, "a", "y") is not first  # another label set, another child
+    first.inc(3)
+    lab.forget("a")
+    assert reg.get_sample_value("c_total", {"tenant": "a", "reason": "x"}) is None
+    again = lab.child(counter, "a", "x")
+    assert again is not first
+    again.inc()
+    assert reg.get_sample_value("c_total", {"tenant": "a", "reason": "x"}) == 1
+    # Idle expiry drops them too; beyond the bound a tenant counts under _other's child.
+    lab.child(counter, "b", "x").inc()
+    clock.t += 100
+    assert lab.expire() == 2
+    lab.child(counter, "c", "x").inc()
+    lab.child(counter, "d", "x").inc()
+    lab.child(counter, "e", "x").inc()  # the bound is 2, nobody idle: counted as _other
+    assert reg.get_sample_value("c_total", {"tenant": "b", "reason": "x"}) is None
+    assert reg.get_sample_value("c_total", {"tenant": "a", "reason": "x"}) is None
+    assert reg.get_sample_value("c_total", {"tenant": OTHER_TENANT, "reason": "x"}) == 1
+    assert lab.child(counter, "b", "x") is lab.child(counter, OTHER_TENANT, "x")
+
+
 def test_expire_terminates_when_every_tenant_is_kept_with_no_idle_period():
     clock = Clock()
     lab = TenantLabels(max_tenants=5, idle_s=0.0, clock=clock, keep=lambda t: True)
