@@ -261,10 +261,28 @@ def _num_pending(msg: Msg) -> int:
 
 
 def _redelivered(msg: Msg) -> bool:
+    return num_delivered(msg.reply) > 1
+
+
+# A JetStream ack subject: $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer
+# seq>.<ns>.<pending> (9 tokens), or with <domain>.<account hash> after ACK (11, or 12
+# with a trailing token); nats-py's `Msg.Metadata` reads the same layouts.
+_V1_TOKENS, _V1_DELIVERED, _V2_MIN_TOKENS, _V2_DELIVERED = 9, 4, 11, 6
+
+
+def num_delivered(reply: str | None) -> int:
+    """How many times JetStream has delivered the message with this ack subject; 0 if
+    it is not one (tests feeding `_ingest` directly). One token, where nats-py's
+    `msg.metadata` parses all of them, a timestamp included (~9 µs a message)."""
+    if not reply or not reply.startswith("$JS.ACK."):
+        return 0
+    tokens = reply.split(".")
+    n = len(tokens)
+    index = _V1_DELIVERED if n == _V1_TOKENS else _V2_DELIVERED if n >= _V2_MIN_TOKENS else -1
     try:
-        return msg.metadata.num_delivered > 1
-    except Exception:  # not a JetStream message (tests feeding _ingest directly)
-        return False
+        return int(tokens[index]) if index >= 0 else 0
+    except ValueError:
+        return 0
 
 
 async def _term(msg: Msg) -> None:
