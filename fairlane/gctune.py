@@ -6,11 +6,11 @@ per message and keeps many of them for a request's life (queued and held request
 in-flight state); each young collection walks what survived since the last one, and
 every tenth walks more. With the default, collections took 10-13% of a busy
 dispatcher's time (BENCHMARKS §1, `bench/bench_ingest.py`'s `-gc-default` rows). A
-finished request leaves next to nothing that only the cycle collector can free (~0.3
-objects per request over producer, dispatcher and worker, from periodic timeouts;
-`tests/integration/test_pipeline.py` fails at one per request), so collecting rarely
-frees the same memory, later: what cycles there are wait for at most `young_objects`
-more allocations.
+finished request leaves none of fairlane's objects to the cycle collector
+(`tests/integration/test_pipeline.py`); what it finds comes with time, not requests
+(~100 objects a second over producer, dispatcher and worker: nats-py's timeouts and
+their tracebacks). So collecting rarely frees the same memory, later: what cycles there
+are wait for at most `young_objects` more allocations.
 
 `tuned_gc` also freezes what is alive when it starts (modules, settings, the tenants
 file's objects, a simulator's workload), so no collection walks those again.

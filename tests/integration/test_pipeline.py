@@ -4,8 +4,12 @@ dispatcher -> gpu_worker (SimEngine) -> tokens back on the reply subject."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
+import os
+import types
 import uuid
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -102,12 +106,27 @@ async def test_request_from_a_newer_producer_with_unknown_fields_is_served(fleet
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
 
 
-async def test_finished_requests_leave_next_to_no_cyclic_garbage(fleet):
+PACKAGES = ("dispatcher", "gpu_worker", "producer", "fairlane", "streamer")
+REPO_PACKAGES = tuple(str(Path(__file__).resolve().parents[2] / p) + os.sep for p in PACKAGES)
+
+
+def _fairlanes(obj: object) -> bool:
+    """An object of fairlane's own code: an instance of one of its classes, or a frame,
+    coroutine or function of its modules."""
+    if isinstance(obj, types.FrameType | types.CoroutineType | types.FunctionType):
+        code = obj.f_code if isinstance(obj, types.FrameType) else (
+            obj.cr_code if isinstance(obj, types.CoroutineType) else obj.__code__)
+        return code.co_filename.startswith(REPO_PACKAGES)
+    return type(obj).__module__.partition(".")[0] in PACKAGES
+
+
+async def test_finished_requests_leave_no_cyclic_garbage_of_their_own(fleet):
     """The dispatcher collects young objects only every 50,000 net allocations
-    (`fairlane.gctune`): that bounds memory only because a request, once finished,
-    leaves (almost) nothing that only the cycle collector can free. Measured here over
-    the whole path in one process (producer, dispatcher, worker): ~0.3 objects per
-    request, from the periodic fetch timeouts; a per-request cycle would be tens."""
+    (`fairlane.gctune`): that bounds memory only because a finished request leaves
+    nothing that only the cycle collector can free. The whole path runs in this process
+    (producer, dispatcher, worker). What the collector does find comes with time, not
+    requests (~100 objects a second, none of fairlane's: nats-py's timeouts and their
+    tracebacks), so what is counted is fairlane's own objects among it."""
     client, _ = fleet
 
     async def one(i: int) -> None:
@@ -124,7 +143,13 @@ async def test_finished_requests_leave_next_to_no_cyclic_garbage(fleet):
         for _ in range(4):
             await asyncio.gather(*(one(i) for i in range(100)))
             num_requests += 100
-        found = gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # keep what it finds, to look at
+        gc.collect()
     finally:
+        gc.set_debug(0)
         gc.enable()
-    assert found < num_requests, f"{found} cyclic-garbage objects after {num_requests} requests"
+    found, gc.garbage[:] = list(gc.garbage), []
+    ours = [o for o in found if _fairlanes(o)]
+    assert len(ours) < num_requests // 10, (
+        f"{len(ours)} of fairlane's objects among {len(found)} cyclic garbage after "
+        f"{num_requests} requests: {collections.Counter(type(o).__qualname__ for o in ours)}")
