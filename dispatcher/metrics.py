@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable
-from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -44,7 +43,7 @@ from dispatcher.scheduler.actions import Ack, Action
 from dispatcher.scheduler.loads import TenantChanges
 from dispatcher.scheduler.types import QueuedRequest, TenantLoad
 from fairlane.looplag import LAG_BUCKETS, LAG_HELP
-from fairlane.metrics_labels import OTHER_TENANT, UNKNOWN_TENANT, TenantLabels
+from fairlane.metrics_labels import OTHER_TENANT, UNKNOWN_TENANT, TenantLabels, fixed_child
 
 # Tenant label values (see the module docstring); `configure` sets the bound.
 TENANTS = TenantLabels(max_tenants=1000, idle_s=600.0)
@@ -137,19 +136,8 @@ def rejected(tenant: str | None, reason: str) -> None:
     TENANTS.child(REJECTED, tenant or UNKNOWN_TENANT, reason).inc()
 
 
-# Per-tier children, looked up once: tiers are few and their series never removed.
-_tier_children: dict[tuple[Histogram, str], Any] = {}
-
-
-def _per_tier(metric: Histogram, tier: str) -> Any:
-    found = _tier_children.get((metric, tier))
-    if found is None:
-        found = _tier_children[metric, tier] = metric.labels(tier)
-    return found
-
-
 def dispatched(req: QueuedRequest, queue_s: float, cost: float) -> None:
-    _per_tier(QUEUE_WAIT, req.tier).observe(queue_s)
+    fixed_child(QUEUE_WAIT, req.tier).observe(queue_s)
     TENANTS.child(TENANT_QUEUE_WAIT, req.tenant).observe(queue_s)
     TENANTS.child(DISPATCHED_COST, req.tenant, req.tier).inc(cost)
 
@@ -162,10 +150,10 @@ def started(actions: list[Action], preempted_at_ms: float | None, now_ms: float)
     if req is None:  # a repeat, or from a worker the core does not know
         return
     if preempted_at_ms is not None:
-        _per_tier(RESUME_LATENCY, req.tier).observe((now_ms - preempted_at_ms) / 1000)
+        fixed_child(RESUME_LATENCY, req.tier).observe((now_ms - preempted_at_ms) / 1000)
     elif not req.num_preemptions:
         ttft_s = max(0.0, now_ms - req.arrival_ms) / 1000
-        _per_tier(TTFT, req.tier).observe(ttft_s)
+        fixed_child(TTFT, req.tier).observe(ttft_s)
         TENANTS.child(TENANT_TTFT, req.tenant).observe(ttft_s)
 
 

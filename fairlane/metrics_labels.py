@@ -36,6 +36,20 @@ OTHER_TENANT = "_other"
 UNKNOWN_TENANT = "_unknown"
 _SHARED = frozenset({OTHER_TENANT, UNKNOWN_TENANT})  # label values no tenant owns
 
+# Children of label sets that are never removed (a tier, a reason), by (metric, *labels).
+_fixed_children: dict[tuple[Any, ...], Any] = {}
+
+
+def fixed_child(metric: Any, *labels: str) -> Any:
+    """`metric.labels(*labels)` looked up once, for a label set whose series is never
+    removed: prometheus_client checks the labels on every call (~2 µs), too much on a
+    hot path. Tenant-labelled series, which do go, use `TenantLabels.child`."""
+    key = (metric, *labels)
+    found = _fixed_children.get(key)
+    if found is None:
+        found = _fixed_children[key] = metric.labels(*labels)
+    return found
+
 
 class TenantLabels:
     """The tenant label values one process exposes: at most `max_tenants` of them."""
