@@ -216,12 +216,13 @@ class Bench:
         if self.profiles is not None and variant not in self.profiles:
             prof = cProfile.Profile()
         base, young = dispatcher_gc(variant)
-        if base == "ingest":
-            m = await dispatcher_ingest(self.url, s, self.n, self.args.batch, prof, young)
-        elif base == "ingest-dispatch":
-            m = await dispatcher_drain(self.url, s, self.n, self.args, prof, young)
-        else:
-            raise ValueError(f"unknown variant {variant!r}")
+        with tuned_gc(young):  # around the dispatcher's whole life, as its process does
+            if base == "ingest":
+                m = await dispatcher_ingest(self.url, s, self.n, self.args.batch, prof)
+            elif base == "ingest-dispatch":
+                m = await dispatcher_drain(self.url, s, self.n, self.args, prof)
+            else:
+                raise ValueError(f"unknown variant {variant!r}")
         if prof is not None:
             self.profiles[variant] = profile_text(prof)
         return m
@@ -290,26 +291,25 @@ def dispatcher_gc(variant: str) -> tuple[str, int]:
 
 
 async def dispatcher_ingest(url: str, subjects: Subjects, n: int, batch: int,
-                            prof: cProfile.Profile | None, gc_young_objects: int) -> dict:
-    with tuned_gc(gc_young_objects):
-        d = make_dispatcher(url, subjects, n, batch)
-        if prof:
-            prof.enable()
-        with ProcessCost() as cost:  # from start(): a few ms more than the timed window
-            t_start = time.perf_counter()
-            await d.start()
-            start_s = time.perf_counter() - t_start
-            await asyncio.wait_for(d.all_ingested.wait(), 300)
-        if prof:
-            prof.disable()
-        queued = d.scheduler.num_queued
-        await d.stop()  # un-acked messages go back to the stream, which is dropped next
+                            prof: cProfile.Profile | None) -> dict:
+    d = make_dispatcher(url, subjects, n, batch)
+    if prof:
+        prof.enable()
+    with ProcessCost() as cost:  # from start(): a few ms more than the timed window
+        t_start = time.perf_counter()
+        await d.start()
+        start_s = time.perf_counter() - t_start
+        await asyncio.wait_for(d.all_ingested.wait(), 300)
+    if prof:
+        prof.disable()
+    queued = d.scheduler.num_queued
+    await d.stop()  # un-acked messages go back to the stream, which is dropped next
     return {"elapsed_s": d.t_last_ingest - d.t_first_fetch, "start_s": start_s,
             "queued_at_end": queued, **cost.figures()}
 
 
 async def dispatcher_drain(url: str, subjects: Subjects, n: int, args,
-                           prof: cProfile.Profile | None, gc_young_objects: int) -> dict:
+                           prof: cProfile.Profile | None) -> dict:
     peer = subprocess.Popen(
         [sys.executable, __file__, "--puller", url, subjects.work(POOL), str(n),
          str(args.pullers), str(args.max_items)], stdout=subprocess.PIPE, text=True)
@@ -318,19 +318,18 @@ async def dispatcher_drain(url: str, subjects: Subjects, n: int, args,
         ready = await loop.run_in_executor(None, peer.stdout.readline)
         if ready.strip() != "ready":
             raise RuntimeError(f"puller did not start: {ready!r}")
-        with tuned_gc(gc_young_objects):
-            d = make_dispatcher(url, subjects, n, args.batch)
-            if prof:
-                prof.enable()
-            with ProcessCost() as cost:  # from start() to the peer's report read
-                await d.start()
-                line = await asyncio.wait_for(
-                    loop.run_in_executor(None, peer.stdout.readline), 300)
-            if prof:
-                prof.disable()
-            res = json.loads(line)
-            queued, in_flight = d.scheduler.num_queued, d.scheduler.num_in_flight
-            await d.stop()
+        d = make_dispatcher(url, subjects, n, args.batch)
+        if prof:
+            prof.enable()
+        with ProcessCost() as cost:  # from start() to the peer's report read
+            await d.start()
+            line = await asyncio.wait_for(loop.run_in_executor(None, peer.stdout.readline),
+                                          300)
+        if prof:
+            prof.disable()
+        res = json.loads(line)
+        queued, in_flight = d.scheduler.num_queued, d.scheduler.num_in_flight
+        await d.stop()
         return {"elapsed_s": res["t_done"] - d.t_first_fetch, "pulls": res["pulls"],
                 "duplicates": res["duplicates"], "queued_at_end": queued,
                 "in_flight_at_end": in_flight, **cost.figures()}
