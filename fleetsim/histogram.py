@@ -58,6 +58,22 @@ class LogHist:
         np.minimum.at(self.min, rows, values_s)
         np.maximum.at(self.max, rows, values_s)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled explicitly: compiled (mypyc), the default would call __init__ bare.
+        return (_restore_hist, (self.lo_s, self.hi_s, self.growth, self.counts, self.n,
+                                self.sum, self.min, self.max))
+
+    def absorb(self, other: LogHist, row: int, other_row: int) -> None:
+        """Add `other`'s row `other_row` into this row (another run's samples of the same
+        thing: pools of a `--pools` run). Both must have the same buckets."""
+        if (other.lo_s, other.hi_s, other.growth) != (self.lo_s, self.hi_s, self.growth):
+            raise ValueError("histograms with different buckets cannot be merged")
+        self.counts[row] += other.counts[other_row].astype(self.counts.dtype)
+        self.n[row] += other.n[other_row]
+        self.sum[row] += other.sum[other_row]
+        self.min[row] = min(self.min[row], other.min[other_row])
+        self.max[row] = max(self.max[row], other.max[other_row])
+
     def edges(self, i: int, row: int) -> tuple[float, float]:
         """Value range of bucket i of a row (the outer buckets end at the row's min/max)."""
         if i == 0:
@@ -98,3 +114,10 @@ class LogHist:
         """The non-empty buckets of a row: {"index": [...], "count": [...]}."""
         idx = np.flatnonzero(self.counts[row])
         return {"index": idx.tolist(), "count": self.counts[row][idx].tolist()}
+
+
+def _restore_hist(lo_s: float, hi_s: float, growth: float, counts: np.ndarray, n: np.ndarray,
+                  total: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> LogHist:
+    h = LogHist(0, lo_s, hi_s, growth)
+    h.counts, h.n, h.sum, h.min, h.max = counts, n, total, lo, hi
+    return h

@@ -295,6 +295,13 @@ class Recorder:
         self.duration_s = min(self.duration_s, max(t_s, 1e-9))
         self.n_windows = max(1, math.ceil(self.duration_s / self.window_s))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its state (a `--pools` run's processes send theirs back): compiled
+        (mypyc), the default would call __init__ bare. Pending events are folded first."""
+        self.flush()
+        return (_restore, (self.tenants, self.duration_s, self.window_s,
+                           {name: getattr(self, name) for name in _STATE}))
+
     # --- results --------------------------------------------------------------------
 
     def shares_by_window(self) -> np.ndarray:
@@ -418,6 +425,22 @@ class Recorder:
             "busy_workers": mean[:, -1].tolist(),
             "bucket_s": self.sample_bucket_s,
         }
+
+
+# What `__reduce__` carries besides the constructor's arguments (the rest is derived
+# from those, or empty after a flush).
+_STATE = ("flush_every", "tier_hist", "detail_hist", "t_n", "t_sum", "t_max", "t_count",
+          "t_tokens", "codes", "rejected_by_tier_code", "rejected_by_slot_code",
+          "max_tenant_detail", "slot_of", "detail", "seen", "n_windows", "win_tier",
+          "win_detail", "max_sample_points", "sample_bucket_s", "samp", "end_s")
+
+
+def _restore(tenants: TenantTable, duration_s: float, window_s: float,
+             state: dict[str, Any]) -> Recorder:
+    rec = Recorder(tenants, duration_s, window_s, max_tenant_detail=0)
+    for name, value in state.items():
+        setattr(rec, name, value)
+    return rec
 
 
 def _pooled(h: LogHist) -> dict[str, Any]:
