@@ -20,7 +20,6 @@ import shlex
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="time every call into the dispatcher's core (interpreted, as the "
                         "dispatcher runs it) and report the CPU it would take: does one "
                         "dispatcher keep up with this pool (fleetsim.core_clock)")
+    p.add_argument("--pools", type=int, default=1,
+                   help="split the fleet into this many pools, one dispatcher each: tenants "
+                        "and workers spread evenly (fleetsim.pools); the report merges them, "
+                        "with a row per pool")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="with --pools: pools simulated at once, one process each "
+                        "(default: the CPUs, at most --pools); the result is the same")
     p.add_argument("--compiled", action="store_true",
                    help="run the simulator's modules compiled with mypyc (same source, same "
                         "result, ~2x faster; built once into a cache: fleetsim.compiled)")
@@ -178,6 +184,13 @@ def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
     bad = not_positive((("--duration-s", args.duration_s), ("--window-s", args.window_s)))
     if bad:
         return bad
+    if args.pools < 1 or (args.jobs is not None and args.jobs < 1):
+        return f"--pools and --jobs must be >= 1, got {args.pools} and {args.jobs}"
+    if args.workers >= 1 and args.pools > args.workers:
+        return f"--pools {args.pools}: more pools than --workers ({args.workers})"
+    if args.time_dispatcher and args.pools > 1 and (args.jobs or 2) > 1:
+        return ("--time-dispatcher with --pools needs --jobs 1: pools running side by side "
+                "share the CPUs the clock measures")
     try:
         return FleetSettings(num_workers=args.workers, step_model=args.step_model,
                              max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
@@ -205,8 +218,8 @@ def cmd_simulate(argv: list[str]) -> int:
                       f"{os.environ.get('PYTHONPATH', '')!r})", file=sys.stderr)
                 return 1
             return _run_compiled(argv)
-    from fleetsim.core_clock import CoreClock
-    from fleetsim.fleet import Fleet, StopRun
+    from fleetsim.fleet import Fleet
+    from fleetsim.pools import Job, PoolFailed, run_pools
     from fleetsim.recorder import Recorder
     from fleetsim.report import write_report
     from fleetsim.workload import WorkloadError, from_usage, load_workload
@@ -226,10 +239,12 @@ def cmd_simulate(argv: list[str]) -> int:
     if args.no_preemption:
         cfg.preemption = msgspec.structs.replace(cfg.preemption, enabled=False)
     detail = [t for t in args.detail_tenants.split(",") if t]
+    job = Job(workload=wl, config=cfg, settings=settings, duration_s=duration_s,
+              window_s=args.window_s, detail_tenants=detail, num_pools=args.pools,
+              time_dispatcher=args.time_dispatcher)
     try:
-        recorder = Recorder(wl.tenants, duration_s, args.window_s, detail_tenants=detail)
-        fleet = Fleet(cfg, wl.tenants, recorder, settings)
-        clock = CoreClock(fleet.core) if args.time_dispatcher else None
+        Recorder(wl.tenants, duration_s, args.window_s, detail_tenants=detail)
+        Fleet(cfg, wl.tenants, Recorder(wl.tenants, duration_s, args.window_s), settings)
     except (OSError, ValueError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -242,64 +257,66 @@ def cmd_simulate(argv: list[str]) -> int:
     except OSError as exc:
         print(f"{PROG}: --out {args.out}: cannot write the report there: {exc}", file=sys.stderr)
         return 2
+    jobs = max(1, min(args.jobs or os.cpu_count() or 1, args.pools))
+    pools = f" in {args.pools} pools ({jobs} processes)" if args.pools > 1 else ""
     print(f"{PROG}: {len(wl.tenants):,} tenants, ~{wl.expected_requests():,.0f} requests, "
-          f"{args.workers} workers, {duration_s:g} simulated s", file=sys.stderr)
+          f"{args.workers} workers{pools}, {duration_s:g} simulated s", file=sys.stderr)
 
     interrupt = _Interrupt()
     next_print_s = 0.0
 
-    def progress(t_s: float) -> None:  # every simulated second
+    def progress(t_s: float, wall: float) -> None:  # simulated s (the pools' mean)
         nonlocal next_print_s
-        if interrupt.requested:
-            raise StopRun
         if t_s >= next_print_s:
-            wall = time.perf_counter() - t0
             # At the rate so far (the first minute includes filling the fleet).
             left = f", ~{_duration((duration_s - t_s) * wall / t_s)} left" if t_s else ""
             print(f"  simulated {t_s:,.0f} s in {wall:,.1f} s wall{left}", file=sys.stderr)
-            next_print_s = t_s + PRINT_EVERY_S
+            next_print_s = (t_s // PRINT_EVERY_S + 1) * PRINT_EVERY_S
 
-    with tuned_gc(), interrupt:
-        t0 = time.perf_counter()
-        try:
-            fleet.run(wl.arrivals(), duration_s, progress, progress_every_s=1.0)
-        except KeyboardInterrupt:
-            print(f"{PROG}: stopped at {fleet.now_ms / 1000:g} simulated s; no report",
-                  file=sys.stderr)
-            return 130
-    wall_s = time.perf_counter() - t0
-    stopped = fleet.end_ms < duration_s * 1000.0  # Fleet.run's own end, exactly
-    simulated_s = fleet.end_ms / 1000 if stopped else duration_s
-    if stopped:
-        recorder.stopped_at(simulated_s)
-    # Peak RSS of this process (not tracemalloc: it would slow the run and inflate it).
+    try:
+        with interrupt:
+            outcome = run_pools(job, jobs, interrupt, progress)
+    except PoolFailed as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    if outcome is None:
+        print(f"{PROG}: stopped; no report", file=sys.stderr)
+        return 130
+    recorder, wall_s, simulated_s = outcome.recorder, outcome.wall_s, outcome.simulated_s
+    results = outcome.pools
+    # Peak RSS of this process and, with pools in processes, each child's own (not
+    # tracemalloc: it would slow the run and inflate it).
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = recorder.summary()
     extra = {
         "workload": args.usage or args.workload,
         "workers": args.workers,
         "step_model": args.step_model,
-        "max_seq_len": fleet.max_seq_len,
+        "max_seq_len": results[0].max_seq_len,
         "policy": cfg.policy,
         "preemption": "on" if cfg.preemption.enabled else "off",
         "simulated_s": simulated_s,
         "stopped_early": (f"interrupted at {simulated_s:g} of {duration_s:g} simulated s: "
                           f"this report covers [0, {simulated_s:g}) s"
-                          if stopped else None),
+                          if outcome.stopped else None),
         "wall_s": round(wall_s, 2),
         "sim_s_per_wall_s": round(simulated_s / wall_s, 2) if wall_s > 0 else None,
-        "arrivals": fleet.num_arrivals,
-        "events": fleet.num_events,
-        "preemptions_ordered": fleet.num_preemptions,
-        # The dispatcher's work for them: decisions, and tenants those weighed.
-        "preemption_decisions": fleet.scheduler.preemptor.num_decisions,
-        "preemption_tenants_weighed": fleet.scheduler.preemptor.num_weighed,
-        "recomputed_tokens": sum(w.core.num_recomputed_tokens for w in fleet.workers),
+        "arrivals": sum(r.arrivals for r in results),
+        "events": sum(r.events for r in results),
+        "preemptions_ordered": sum(r.preemptions_ordered for r in results),
+        # The dispatchers' work for them: decisions, and tenants those weighed.
+        "preemption_decisions": sum(r.preemption_decisions for r in results),
+        "preemption_tenants_weighed": sum(r.preemption_tenants_weighed for r in results),
+        "recomputed_tokens": sum(r.recomputed_tokens for r in results),
         "peak_rss_mib": round(peak_rss_mib, 1),
         "compiled": args.compiled,
     }
-    if clock is not None:
-        extra |= clock.report(simulated_s, fleet.num_arrivals)
+    if args.pools > 1:
+        extra |= {"pools": args.pools, "processes": jobs,
+                  "peak_rss_mib_per_pool": [round(r.peak_rss_mib, 1) for r in results]}
+        summary["pools"] = outcome.rows
+    elif args.time_dispatcher:
+        extra |= results[0].core
     command = "fairlane simulate " + shlex.join(argv)
     try:
         paths = write_report(summary, out_dir, command=command, extra_meta=extra,
@@ -314,7 +331,7 @@ def cmd_simulate(argv: list[str]) -> int:
     print(f"{PROG}: {simulated_s:g} simulated s in {wall_s:.1f} s "
           f"({extra['sim_s_per_wall_s']} sim-s per wall-s); wrote "
           + ", ".join(str(p) for p in paths), file=sys.stderr)
-    if interrupt.requested:
+    if outcome.stopped:
         print(f"{PROG}: {extra['stopped_early']}", file=sys.stderr)
         return 130  # as a shell reports a run stopped by Ctrl-C
     return 0

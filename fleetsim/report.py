@@ -195,6 +195,11 @@ def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, str], title: 
             for t, s in summary["by_tier"].items()]
     rows.append(_group_row("**all**", pool, tenants=pool.get("tenants", 0)))
     parts += ["## Per tier\n", compare_table(rows)]
+    if summary.get("pools"):
+        parts += ["## Per pool\n",
+                  "Each pool its own dispatcher, workers and tenants (`--pools`); "
+                  "the tables above merge them. *wall s* / *cpu s*: its process's.\n",
+                  compare_table([_pool_row(r) for r in summary["pools"]])]
     rejected = {t: s.get("rejected_by_code", {}) for t, s in summary["by_tier"].items()}
     codes = sorted({c for by in rejected.values() for c in by})
     if codes:
@@ -221,6 +226,17 @@ def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, str], title: 
     return "\n".join(parts).rstrip() + "\n"
 
 
+def _pool_row(r: Mapping[str, Any]) -> dict[str, Any]:
+    row = {"pool": r["pool"], "workers": r["workers"], "tenants": r["tenants"],
+           "requests": r["finished"], "TTFT p50 ms": _round(_ms(r.get("ttft_p50_s"))),
+           "TTFT p99 ms": _round(_ms(r.get("ttft_p99_s"))),
+           "tokens/s": round(r["throughput_tok_s"]), "preemptions": r["preemptions"],
+           "rejected": r["rejected"]}
+    if r.get("dispatcher_core_pct_of_a_core") is not None:
+        row["dispatcher core, % of a core"] = r["dispatcher_core_pct_of_a_core"]
+    return row | {"wall s": r["wall_s"], "cpu s": r["cpu_s"], "peak RSS MiB": r["peak_rss_mib"]}
+
+
 def _plain(v: Any) -> Any:
     """Whole floats as ints (3600.0 -> 3,600), other non-numbers as text."""
     if isinstance(v, float) and v.is_integer():
@@ -230,6 +246,10 @@ def _plain(v: Any) -> Any:
 
 def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1e3
+
+
+def _round(v: float | None, digits: int = 1) -> float | None:
+    return None if v is None else round(v, digits)
 
 
 def _jsonable(x: Any) -> Any:

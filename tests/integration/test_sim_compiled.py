@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,11 +115,14 @@ def test_a_bad_workload_gets_the_same_answer_compiled(tmp_path, cache, old, new,
     assert not (tmp_path / "out" / "simulate.json").exists()
 
 
-@pytest.mark.parametrize("extra", [(), ("--compiled",)], ids=["interpreted", "compiled"])
+@pytest.mark.parametrize("extra", [(), ("--compiled",), ("--pools", "2"),
+                                   ("--compiled", "--pools", "2")],
+                         ids=["interpreted", "compiled", "pools", "compiled-pools"])
 def test_ctrl_c_ends_the_run_and_writes_the_report_of_what_ran(tmp_path, cache, extra):
     """SIGINT to the whole process group, as a terminal's Ctrl-C: `fairlane`, the
-    `--compiled` parent and the simulating child all get it. The run ends at the next
-    simulated second and its report covers what ran; exit status 130."""
+    `--compiled` parent and the simulating child all get it (with `--pools`, every
+    pool's process too). The run ends at the next simulated second (every pool at the
+    same one) and its report covers what ran; exit status 130."""
     wl = tmp_path / "long.yaml"
     wl.write_text(WORKLOAD.replace("duration_s: 40", "duration_s: 200000", 1))
     out = tmp_path / "out"
@@ -131,7 +135,9 @@ def test_ctrl_c_ends_the_run_and_writes_the_report_of_what_ran(tmp_path, cache, 
         seen = []
         for line in proc.stderr:  # ends at EOF if the run dies first
             seen.append(line)
-            if "simulated 60 s" in line:
+            # (with pools, their mean: a progress line at or past 60 s)
+            reached = re.match(r"\s+simulated ([\d,.]+) s in", line)
+            if reached and float(reached[1].replace(",", "")) >= 60:
                 break
         assert proc.poll() is None, "".join(seen)
         os.killpg(proc.pid, signal.SIGINT)
@@ -144,9 +150,12 @@ def test_ctrl_c_ends_the_run_and_writes_the_report_of_what_ran(tmp_path, cache, 
     assert "interrupted: stopping at the next simulated second" in rest
     doc = json.loads((out / "simulate.json").read_text())
     simulated_s = doc["meta"]["simulated_s"]
-    assert 60 <= simulated_s < 200_000 and doc["meta"]["compiled"] == bool(extra)
+    assert 60 <= simulated_s < 200_000 and doc["meta"]["compiled"] == ("--compiled" in extra)
     assert doc["meta"]["stopped_early"].startswith(f"interrupted at {simulated_s:g} of 200000")
     # Rates and windows over what ran, not over the 200,000 s asked for.
     summary = doc["summary"]
     assert summary["duration_s"] == simulated_s and summary["pool"]["finished"] > 500
     assert len(summary["windows"]["start_s"]) == -(-simulated_s // 100)
+    if "--pools" in extra:
+        assert [r["workers"] for r in summary["pools"]] == [2, 1]
+        assert sum(r["finished"] for r in summary["pools"]) == summary["pool"]["finished"]
