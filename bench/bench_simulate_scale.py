@@ -2,14 +2,14 @@
 
     PYTHONPATH=. python bench/bench_simulate_scale.py \\
         [--scales 10x100,100x10000,1000x100000] [--duration-s 3600] [--max-wall-s 900] \\
-        [--variants interpreted,compiled]
+        [--variants interpreted,compiled,compiled-pools2]
 
 Issue 12's target: 1,000 workers x 100,000 tenants x one simulated hour in under 10
 minutes on this 2-core machine, memory bounded. Each scale runs `fleetsim.fleet.Fleet`
 with `fleetsim.recorder.Recorder` exactly as `fairlane simulate` does (`tuned_gc`
-included), in its own child process (peak RSS is that process's own,
-`resource.getrusage`, no tracemalloc), on `bench/workloads/scale.yaml`'s traffic
-mix scaled to the size:
+included), in its own child process (peak RSS is that process's own, and its pools'
+processes', `resource.getrusage`, no tracemalloc), on `bench/workloads/scale.yaml`'s
+traffic mix scaled to the size:
 
 - the tenants of each class in proportion (100,000 -> the file's counts), at least one,
   each class keeping its share of the traffic;
@@ -20,11 +20,20 @@ mix scaled to the size:
   admission's prefill stalls the batch for one step). The measured busy fraction
   (mean running / slots, after a warm-up of 10 simulated s) is in the table.
 
-Wall time is `time.perf_counter` around `Fleet.run` only (workload and config building
-and the report are not in it; they are seconds, O(tenants)). A scale that would pass
-`--max-wall-s` stops at the next `--progress-s` checkpoint: its row then shows the
-simulated time reached, and the hour is extrapolated from its steady-state rate
-(labelled as such). `--duration-s 1000x100000:600` sets one scale's duration.
+Each scale runs through `fleetsim.pools.run_pools`, as `fairlane simulate` does. Wall
+time is `time.perf_counter` around it: building the pools' fleets (O(workers)), the run
+and, with several pools, forking their processes and merging their recorders; the
+workload's building and the report are not in it (seconds, O(tenants)). A scale that
+would pass `--max-wall-s` stops at the next simulated second (every pool at the same
+one): its row then shows the simulated time reached, and the hour is extrapolated
+from its steady-state rate (labelled as such). `--duration-s 1000x100000:600` sets one
+scale's duration.
+
+A variant `-poolsK` (`compiled-pools2`) splits the fleet into K pools, one dispatcher
+each (`fairlane simulate --pools K`: tenants and workers spread evenly), simulated side
+by side in one process per pool (at most the CPUs at once). That is another fleet, the
+deployment the README advises for ~1,000 GPUs, not the same fleet run faster: its
+rows' TTFT and busy columns are its own. CPU time and peak RSS are the pools' sum.
 
 `--variants interpreted,compiled` runs each scale twice, as `fairlane simulate` and as
 `fairlane simulate --compiled` (the same modules compiled with mypyc,
@@ -41,10 +50,10 @@ import argparse
 import copy
 import json
 import math
+import os
 import random
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -131,48 +140,70 @@ def build_workload(workers: int, tenants: int, duration_s: float, slots: int, lo
                 "traffic_vs_scale_yaml": factor, "class_counts": counts}
 
 
-class _Stop(Exception):
-    pass
+def parse_variant(variant: str) -> tuple[str, int]:
+    """`compiled` -> ("compiled", 1); `compiled-pools2` -> ("compiled", 2)."""
+    base, _, pools = variant.partition("-pools")
+    if base not in ("interpreted", "compiled") or (pools and not pools.isdigit()) \
+            or pools.startswith("0"):
+        raise SystemExit(f"--variants: unknown {variant!r} (interpreted or compiled, "
+                         "optionally -poolsK)")
+    return base, int(pools or 1)
+
+
+def merged_checkpoints(pools: list) -> list[tuple[float, float, float, float]]:
+    """The pools' checkpoints at the simulated times they all reached: wall the
+    slowest's, CPU and peak RSS the sum (the processes run side by side)."""
+    common = set.intersection(*({c[0] for c in r.checkpoints} for r in pools))
+    by_t = [{c[0]: c for c in r.checkpoints} for r in pools]
+    return [(t, max(b[t][1] for b in by_t), sum(b[t][2] for b in by_t),
+             sum(b[t][3] for b in by_t)) for t in sorted(common)]
 
 
 def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float,
           variant: str) -> dict:
-    from fleetsim.cli import tuned_gc
     from fleetsim.compiled import is_compiled
-    from fleetsim.fleet import Fleet, FleetSettings
-    from fleetsim.recorder import Recorder
+    from fleetsim.fleet import FleetSettings
+    from fleetsim.pools import Job, run_pools
 
-    if is_compiled() != (variant == "compiled"):
+    base, num_pools = parse_variant(variant)
+    if is_compiled() != (base == "compiled"):
         raise SystemExit(f"variant {variant}: fleetsim.fleet is {sys.modules['fleetsim.fleet'].__file__}")
 
     wl, info = build_workload(workers, tenants, duration_s, a.slots, a.load, a.seed)
-    recorder = Recorder(wl.tenants, duration_s)
-    settings = FleetSettings(num_workers=workers, max_num_seqs=a.slots)
-    fleet = Fleet(wl.scheduler_config, wl.tenants, recorder, settings)
-    arrivals = wl.arrivals()
-    checkpoints: list[tuple[float, float, float, float]] = []  # sim s, wall s, cpu s, RSS MiB
+    job = Job(workload=wl, config=wl.scheduler_config,
+              settings=FleetSettings(num_workers=workers, max_num_seqs=a.slots),
+              duration_s=duration_s, num_pools=num_pools, checkpoint_every_s=a.progress_s)
 
-    def progress(t_s: float) -> None:
-        wall = time.perf_counter() - t0
-        checkpoints.append((t_s, wall, time.process_time() - c0,
-                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-        print(f"  {workers}x{tenants}: simulated {t_s:,.0f} s in {wall:,.1f} s wall",
-              file=sys.stderr, flush=True)
-        if t_s > 0 and wall > a.max_wall_s:
-            raise _Stop
+    class Stop:
+        requested = False
 
-    stopped = False
-    with tuned_gc():  # as `fairlane simulate` runs
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            fleet.run(arrivals, duration_s, progress, progress_every_s=a.progress_s)
-            sim_s = duration_s
-        except _Stop:
-            stopped = True
-            sim_s = checkpoints[-1][0]
-        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    stop, next_print_s = Stop(), 0.0
+
+    def progress(t_s: float, wall: float) -> None:
+        nonlocal next_print_s
+        if t_s >= next_print_s:
+            next_print_s = t_s + a.progress_s
+            print(f"  {workers}x{tenants} {variant}: simulated {t_s:,.0f} s in {wall:,.1f} s "
+                  "wall", file=sys.stderr, flush=True)
+        if wall > a.max_wall_s:
+            stop.requested = True  # every pool ends at one simulated second
+
+    # `run_pools` runs each pool as `fairlane simulate` does (`tuned_gc` included); one
+    # pool here, in this process; several, one process each (as many as the CPUs).
+    outcome = run_pools(job, os.cpu_count() or 1, stop, progress)
+    assert outcome is not None
+    wall_s, sim_s, stopped = outcome.wall_s, outcome.simulated_s, outcome.stopped
+    cpu_s = sum(r.cpu_s for r in outcome.pools)
+    checkpoints = merged_checkpoints(outcome.pools)
+    recorder = outcome.recorder
+    # This process's peak, and with pools in processes each one's own on top (a sum of
+    # peaks: an upper bound on what the run held at once).
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if num_pools > 1:
+        peak_rss_mib += sum(r.peak_rss_mib for r in outcome.pools)
     summary = recorder.summary()
+    arrivals = sum(r.arrivals for r in outcome.pools)
+    events = sum(r.events for r in outcome.pools)
     samp = summary["samples"]
     busy = [r for t, r in zip(samp["t_s"], samp["running"], strict=True) if WARMUP_S <= t <= sim_s]
     pool = summary["pool"]
@@ -191,10 +222,10 @@ def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float,
         "hour_wall_s": HOUR_S / steady_rate if stopped or sim_s < HOUR_S else wall_s,
         "hour_extrapolated": stopped or sim_s < HOUR_S,
         "peak_rss_mib": round(peak_rss_mib, 1),
-        "arrivals": fleet.num_arrivals, "events": fleet.num_events,
-        "arrivals_per_wall_s": fleet.num_arrivals / wall_s,
-        "events_per_wall_s": fleet.num_events / wall_s,
-        "preemptions_ordered": fleet.num_preemptions,
+        "arrivals": arrivals, "events": events,
+        "arrivals_per_wall_s": arrivals / wall_s, "events_per_wall_s": events / wall_s,
+        "preemptions_ordered": sum(r.preemptions_ordered for r in outcome.pools),
+        "pools": num_pools, "processes": min(num_pools, os.cpu_count() or 1),
         "busy_fraction": (sum(busy) / len(busy) / (workers * a.slots)) if busy else None,
         "finished": pool["finished"], "rejected": pool["rejected"],
         "throughput_tok_s": pool["throughput_tok_s"],
@@ -207,16 +238,19 @@ HOW_TO_READ = f"""\
 One row per scale and variant: `workers x tenants`, {TEMPLATE.relative_to(ROOT)}'s traffic
 mix scaled to it (module docstring), outputs 128-384 tokens, preemption on (the pool's
 default), drr. *variant*: `interpreted` is `fairlane simulate`, `compiled` is `fairlane
-simulate --compiled` (the same modules compiled with mypyc, `fleetsim.compiled`). *reps*:
-the row's repetitions; its times are their median (min–max), its simulation's columns
-the same in each (the simulator is deterministic; "differs" if not). *wall s* is
-`Fleet.run` alone (perf_counter); *cpu s* its process time (the
-machine's 2 cores are shared with other work: where wall and cpu differ, something else
-ran). *sim-s / wall-s* over the whole run, *steady* from {WARMUP_S:g} simulated s on (the
+simulate --compiled` (the same modules compiled with mypyc, `fleetsim.compiled`);
+`-poolsK`: the fleet split into K pools, one dispatcher each (`fairlane simulate --pools
+K`), each pool in its own process, side by side (another fleet: its latency columns are
+its own). *reps*: the row's repetitions; its times are their median (min–max), its
+simulation's columns the same in each (the simulator is deterministic; "differs" if
+not). *wall s*: building the pools' fleets, the run and merging (perf_counter); *cpu
+s* the pools' process time, summed (where cpu exceeds wall, pools ran side by side;
+where wall exceeds cpu ÷ processes, something else ran). *sim-s / wall-s* over the whole run, *steady* from {WARMUP_S:g} simulated s on (the
 empty fleet's first seconds are cheaper). *hour, wall* is the time one simulated hour
 takes: measured where the row ran the hour, else extrapolated from the steady rate
 (marked "extrapolated"). *busy* is mean running / slots after {WARMUP_S:g} s. Peak RSS
-is the child process's own (getrusage), with Python, numpy and the scheduler loaded."""
+is the child process's own (getrusage), with Python, numpy and the scheduler loaded,
+plus each pool process's own peak (a sum of peaks: an upper bound)."""
 
 
 def report(runs: list[dict]) -> str:
@@ -247,7 +281,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--variants", default="interpreted",
-                    help="interpreted and/or compiled (fleetsim.compiled), comma-separated")
+                    help="interpreted and/or compiled (fleetsim.compiled), each optionally "
+                         "-poolsK (the fleet split into K pools, fleetsim.pools), "
+                         "comma-separated")
     ap.add_argument("--reps", type=int, default=1,
                     help="repetitions of every scale and variant (>= 5 for a headline)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -267,10 +303,9 @@ def main() -> None:
         print(json.dumps(out | {"rep": int(rep or 0)}))
         return
     variants = a.variants.split(",")
-    if unknown := set(variants) - {"interpreted", "compiled"}:
-        raise SystemExit(f"--variants: unknown {sorted(unknown)}")
+    bases = {parse_variant(v)[0] for v in variants}
     env_for = None
-    if "compiled" in variants:
+    if "compiled" in bases:
         from fleetsim import compiled
 
         build_dir = compiled.build()

@@ -154,6 +154,24 @@ def test_two_variants_each_get_a_row_and_a_verdict_the_fastest_leads_the_summary
     assert row[2] == "< 10 min — missed (8.0×)"
 
 
+def test_a_pool_split_never_leads_the_summary_but_is_listed(tmp_path):
+    """`-poolsK` is another fleet (K dispatchers): the headline stays the one-pool
+    fleet the target names, even when the split runs faster; the split is listed."""
+    runs = [_run(1000, 100_000, 600.0, 800.0, 4800.0, True, variant="compiled"),
+            _run(1000, 100_000, 600.0, 400.0, 2400.0, True, variant="compiled-pools2")]
+    for r in runs:
+        r["pools"] = 2 if r["variant"].endswith("-pools2") else 1
+    data = {"runs": runs}
+    row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
+    assert row[1].startswith("**0.75 sim-s per wall-s** compiled, median of 1")
+    assert "; compiled-pools2: 1.50 (an hour ≈ 40.0 min)" in row[1]
+    assert row[2] == "< 10 min — missed (8.0×)"
+    text = rsc.setup_text(data)
+    assert "*-poolsK*: the fleet split into K pools" in text
+    assert text.endswith("plus each pool process's peak.")
+    assert "`Fleet.run` alone" not in text
+
+
 def test_missing_target_scale_is_an_error(tmp_path):
     data = {"runs": [_run(100, 10_000, 3600.0, 300.0, 300.0, False)]}
     with pytest.raises(RenderError, match="no 1,000 x 100,000 run"):
