@@ -242,6 +242,8 @@ def cmd_simulate(argv: list[str]) -> int:
     job = Job(workload=wl, config=cfg, settings=settings, duration_s=duration_s,
               window_s=args.window_s, detail_tenants=detail, num_pools=args.pools,
               time_dispatcher=args.time_dispatcher)
+    # What a pool would refuse (an unreadable step model, an unknown detail tenant),
+    # refused here and now, with exit code 2: not from a pool's process after a fork.
     try:
         Recorder(wl.tenants, duration_s, args.window_s, detail_tenants=detail)
         Fleet(cfg, wl.tenants, Recorder(wl.tenants, duration_s, args.window_s), settings)
