@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fleetsim.recorder import METRICS, Recorder
+from fleetsim.recorder import METRICS, Recorder, halve_samples
 
 
 def merge_recorders(parts: Sequence[Recorder], detail_tenants: Sequence[str] = ()) -> Recorder:
@@ -122,8 +122,7 @@ def _add_samples(out: Recorder, parts: Sequence[Recorder]) -> None:
         s = p.samp.copy()
         b = p.sample_bucket_s
         while b < bucket_s:  # a pool that ran past the others halved less often
-            s[: len(s) // 2] = s[0::2] + s[1::2]
-            s[len(s) // 2:] = 0
+            halve_samples(s)
             b *= 2
         has = s[:, -1] > 0
         mean = s[has, :-1] / s[has, -1:]

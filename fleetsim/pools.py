@@ -155,7 +155,6 @@ def run_pool(job: Job, pool: int, progress: Callable[[float], None] | None = Non
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     if fleet.end_ms < job.duration_s * 1000.0:
         recorder.stopped_at(fleet.end_ms / 1000)
-    recorder.flush()
     return PoolResult(
         pool=pool, workers=workers, tenants=len(mine), recorder=recorder,
         end_ms=fleet.end_ms, wall_s=wall_s, cpu_s=cpu_s,
@@ -323,10 +322,9 @@ def run_pools(job: Job, jobs: int, stop: Stop,
     wall_s = time.perf_counter() - t0
     end_s = min(r.end_ms for r in ordered) / 1000
     stopped = end_s < job.duration_s
+    # Each pool's recorder covers [0, its end) already (`run_pool`); merged, the least.
     recorder = merge_recorders([r.recorder for r in ordered], job.detail_tenants) \
         if k > 1 else ordered[0].recorder
-    if stopped:
-        recorder.stopped_at(end_s)
     rows = [pool_row(r) for r in ordered] if k > 1 else []
     return Outcome(recorder, ordered, rows, wall_s, end_s if stopped else job.duration_s,
                    stopped)

@@ -150,9 +150,7 @@ class Recorder:
                busy_workers: int) -> None:
         i = max(0, int(t_s / self.sample_bucket_s))
         while i >= self.max_sample_points:  # past duration_s: halve the resolution
-            s = self.samp
-            s[: len(s) // 2] = s[0::2] + s[1::2]
-            s[len(s) // 2:] = 0
+            halve_samples(self.samp)
             self.sample_bucket_s *= 2
             i = int(t_s / self.sample_bucket_s)
         row = self.samp[i]
@@ -441,6 +439,12 @@ def _restore(tenants: TenantTable, duration_s: float, window_s: float,
     for name, value in state.items():
         setattr(rec, name, value)
     return rec
+
+
+def halve_samples(samp: np.ndarray) -> None:
+    """Fleet sample buckets merged in pairs, in place (the second half emptied)."""
+    samp[: len(samp) // 2] = samp[0::2] + samp[1::2]
+    samp[len(samp) // 2:] = 0
 
 
 def _pooled(h: LogHist) -> dict[str, Any]:
