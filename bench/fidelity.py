@@ -66,10 +66,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fidelity_real import LIVE_FLEETS, idle_ttft_ms, run_real  # noqa: E402
+from bench.fidelity_real import LIVE_FLEETS, PER_CLASS, SHARED, idle_ttft_ms, run_real  # noqa: E402
 from bench.fleet import WorkerSpec  # noqa: E402
 from bench.harness import RunMeta, p99, run_interleaved, write_results  # noqa: E402
-from bench.render_fidelity import HOW_TO_READ, REAL, SIM, report  # noqa: E402
+from bench.render_fidelity import HOW_TO_READ, REAL, REAL_SHARED, SIM, report  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
 from fleetsim.cli import tuned_gc  # noqa: E402
 from fleetsim.fleet import Fleet, FleetSettings  # noqa: E402
@@ -174,6 +174,19 @@ class Observations:
             self.e2e_s.setdefault(cls, []).append(e2e_s)
             if num_tokens > 1:  # TPOT: the decode pace after the first token
                 self.tpot_s.setdefault(cls, []).append((e2e_s - ttft_s) / (num_tokens - 1))
+
+    def absorb(self, other: Observations) -> None:
+        """Add another run's observations of the same window (a client process's)."""
+        if (other.lo_s, other.hi_s) != (self.lo_s, self.hi_s):
+            raise ValueError("observations of different windows")
+        for cls, n in other.arrived.items():
+            self.arrived[cls] = self.arrived.get(cls, 0) + n
+        for mine, theirs in ((self.ttft_s, other.ttft_s), (self.e2e_s, other.e2e_s),
+                             (self.tpot_s, other.tpot_s)):
+            for cls, xs in theirs.items():
+                mine.setdefault(cls, []).extend(xs)
+        for cls, x in other.tokens.items():
+            self.tokens[cls] = self.tokens.get(cls, 0.0) + x
 
     def generated(self, cls: str, start_s: float, end_s: float, num_tokens: float) -> None:
         """`num_tokens` generated evenly over [start_s, end_s] (one instant for a real
@@ -304,7 +317,7 @@ def sim_idle_ttft_ms(wl: Workload, probes: list[Arrival], settings: FleetSetting
 # --- the benchmark ------------------------------------------------------------------------------
 
 HEARTBEAT_MS = 1000  # the worker's default, and FleetSettings'
-VARIANTS = (SIM, REAL)
+VARIANTS = (SIM, REAL, REAL_SHARED)  # --variants: the first two unless asked
 
 
 def fleet_settings(args: argparse.Namespace, network_ms: float) -> FleetSettings:
@@ -379,7 +392,10 @@ class Bench:
         else:
             prefix = f"fi{self.run_id}{scen_name[:2]}{rep}"
             diag = await run_real(wl, doc, arrivals, class_of_tenants(wl), obs, run_s=run_s,
-                                  nats_pid=self.nats_pid, **self.real_kwargs(prefix))
+                                  nats_pid=self.nats_pid,
+                                  clients=SHARED if variant == REAL_SHARED else PER_CLASS,
+                                  **self.real_kwargs(prefix + ("s" if variant == REAL_SHARED
+                                                               else "")))
         return {"classes": class_metrics(obs, [c.name for c in wl.classes]), "diag": diag,
                 "num_arrivals": len(arrivals)}
 
@@ -396,7 +412,7 @@ async def amain(args: argparse.Namespace) -> int:
                           str(os.getpid() % 100000))
             network = await bench.calibrate()
             print(f"network_ms = {bench.network_ms} ({network['source']})", file=sys.stderr)
-            names = [f"{s}:{v}" for s in scenarios for v in VARIANTS]
+            names = [f"{s}:{v}" for s in scenarios for v in variants_of(args)]
             records = await run_interleaved(names, args.reps, bench.run_one)
     data = {"args": vars(args), "workers": args.workers, "max_num_seqs": args.max_num_seqs,
             "prefetch_seqs": args.prefetch_seqs, "step_model": args.step_model,
@@ -413,6 +429,16 @@ async def amain(args: argparse.Namespace) -> int:
                            HOW_TO_READ)
     print(f"(written to {md} and {js})", file=sys.stderr)
     return 0 if all(r.error is None for r in records) else 1
+
+
+def variants_of(args: argparse.Namespace) -> list[str]:
+    """--variants in run order; sim and real are the comparison and must be there."""
+    out = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in out if v not in VARIANTS]
+    if unknown or SIM not in out or REAL not in out or len(set(out)) != len(out):
+        raise ValueError(f"--variants: {SIM} and {REAL}, optionally {REAL_SHARED}, each once "
+                         f"(got {args.variants!r})")
+    return out
 
 
 def _class_names(s: Scenario, workers: int) -> list[str]:
@@ -437,9 +463,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "real fleet)")
     ap.add_argument("--idle-probes", type=int, default=None,
                     help="sequential probes for the calibration (default 60; quick 30)")
+    ap.add_argument("--variants", default=f"{SIM},{REAL}",
+                    help=f"of: {', '.join(VARIANTS)}; {REAL_SHARED} is the real fleet with one "
+                         "client for every class (the earlier rig), for comparison")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--log-dir", default="", help="keep process logs here (default: temp)")
     args = ap.parse_args(argv)
+    try:
+        variants_of(args)
+    except ValueError as exc:
+        ap.error(str(exc))
     args.reps = args.reps or (1 if args.quick else 5)
     args.idle_probes = args.idle_probes or (30 if args.quick else 60)
     if args.workers < 1:

@@ -4,20 +4,29 @@ arrivals at their times with the producer library and times every stream.
 
 TTFT is the client's: first token chunk minus the moment the arrival's submit began
 (so a late generator shows as lag, reported, not as TTFT). CPU seconds of every fleet
-process (/proc/<pid>/stat), of this process and of the whole machine are read around
+process (/proc/<pid>/stat), of the clients and of the whole machine are read around
 the run: a CPU-starved fleet steps slower than its model, which is the first thing
 that separates it from the simulator.
+
+Clients (`CLIENT_LAYOUTS`): by default each traffic class is its own client process
+(its own connection and event loop), as different tenants' clients are in production.
+`shared` runs every class through one client in this process, the rig before
+per-class clients: there a quiet tenant's first token waited in the same socket and
+event loop behind every token chunk of a flood's 128 streams (~9,500 a second in
+fidelity's light scenario), a delay no fleet adds and the simulator does not model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,11 @@ from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingP
 POOL = "default"
 CHARS_PER_TOKEN = 4  # fairlane.validation.estimate_prompt_tokens: (chars + 3) // 4
 PUBLISH_CONCURRENCY = 256  # a tenant's submits in flight at once (as bench/preemption.py)
+# One client process per traffic class (the default), or one client for all in this
+# process (the rig before per-class clients; see the module docstring).
+PER_CLASS, SHARED = "per-class", "shared"
+CLIENT_LAYOUTS = (PER_CLASS, SHARED)
+CLIENT_STEP_TIMEOUT_S = 60.0  # a client process's start (spawn, connect, warm-up), or a reply
 LIMIT_FIELDS = ("max_concurrent", "max_queued", "max_kv_tokens")
 
 # Every fleet this process started and has not stopped: main() SIGKILLs what is left
@@ -89,16 +103,24 @@ def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
             "_wall": time.monotonic()}
 
 
+def _is_client(name: str) -> bool:
+    """This process ("bench") or a client process ("client:CLASS"): the load, not the
+    fleet."""
+    return name == "bench" or name.startswith("client:")
+
+
 def cpu_usage(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     """Cores each process used between two snapshots, "fleet" = every process but
-    this one (nats, dispatcher, workers), and the machine's busy fraction (all its
+    the load generator's (nats, dispatcher, workers), "clients" = the load generator's
+    (this process and its client processes), and the machine's busy fraction (all its
     processes, ours and anyone else's)."""
     wall = b["_wall"] - a["_wall"]
     if wall <= 0:
         return {}
-    out = {name: round((b[name] - a[name]) / wall, 3) for name in a
-           if not name.startswith("_") and name in b}
-    out["fleet"] = round(sum(v for k, v in out.items() if k != "bench"), 3)
+    procs = {name: round((b[name] - a[name]) / wall, 3) for name in a
+             if not name.startswith("_") and name in b}
+    out = {**procs, "fleet": round(sum(v for k, v in procs.items() if not _is_client(k)), 3),
+           "clients": round(sum(v for k, v in procs.items() if _is_client(k)), 3)}
     ticks = b["_total"] - a["_total"]
     out["machine_busy_frac"] = round((b["_busy"] - a["_busy"]) / ticks, 3) if ticks else None
     return out
@@ -277,37 +299,199 @@ class _Null:
         pass
 
 
+async def _wait_window(gen: LoadGen, obs: Any, until: float) -> None:
+    """Until `until` (loop time) or every request arriving in the window has ended."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < until and any(
+            lv.t_done is None and lv.error is None for lv in gen.lives
+            if obs.in_window(lv.arrival.t_s)):
+        await asyncio.sleep(0.1)
+
+
+# --- client processes (PER_CLASS) ---------------------------------------------------------
+#
+# The parent and each client process talk over a pipe, in this order:
+#   client -> ("ready", pid)   connected, warmed up
+#   parent -> t0               the run's start (time.monotonic, which is loop.time() in
+#                              every process: one clock for all)
+#   client -> ("waited",)      its window's requests ended, or t0 + run_s passed
+#   parent -> "finish"         every client has waited (the CPU snapshot is taken)
+#   client -> ("done", obs, lag_ms, error codes)
+# A failure in a client sends ("error", text) instead and ends it.
+
+
+def _recv(conn: Connection, timeout_s: float, who: str) -> Any:
+    """The next message, or TimeoutError; EOFError if the other end is gone."""
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"{who}: nothing for {timeout_s:g} s")
+    return conn.recv()
+
+
+def client_process(conn: Connection, nats_url: str, prefix: str, lives: list[Live], obs: Any,
+                   run_s: float) -> None:
+    """A client process's body (spawned: a fresh interpreter, nothing inherited)."""
+    try:
+        asyncio.run(_client_main(conn, nats_url, prefix, lives, obs, run_s))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit 1
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+
+
+async def _client_main(conn: Connection, nats_url: str, prefix: str, lives: list[Live],
+                       obs: Any, run_s: float) -> None:
+    client = await FairlaneClient.connect(nats_url, prefix=prefix, max_buffered_chunks=4096)
+    try:
+        await warm_up(client, lives)
+        conn.send(("ready", os.getpid()))
+        t0 = await asyncio.to_thread(_recv, conn, CLIENT_STEP_TIMEOUT_S, "t0 from the parent")
+        gen = LoadGen(client, obs)
+        await gen.run(lives, t0)
+        await _wait_window(gen, obs, t0 + run_s)
+        conn.send(("waited",))
+        await asyncio.to_thread(_recv, conn, run_s + CLIENT_STEP_TIMEOUT_S, "finish")
+        await gen.cancel_all()
+        gen.report()
+        conn.send(("done", obs, gen.lag_ms(), [lv.error for lv in gen.lives if lv.error]))
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.close(), 15)
+
+
+@dataclass
+class ClientProcs:
+    """The load generator as one client process per traffic class (`PER_CLASS`)."""
+
+    procs: dict[str, Any] = field(default_factory=dict)  # class -> multiprocessing.Process
+    conns: dict[str, Connection] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)  # "client:CLASS" -> pid
+
+    def start(self, lives: list[Live], obs: Any, nats_url: str, prefix: str,
+              run_s: float) -> None:
+        ctx = multiprocessing.get_context("spawn")  # not fork: this process runs a loop
+        by_class: dict[str, list[Live]] = {}
+        for lv in lives:
+            by_class.setdefault(lv.cls, []).append(lv)
+        for cls, group in by_class.items():
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=client_process, name=f"fidelity-client-{cls}", daemon=True,
+                            args=(theirs, nats_url, prefix, group, type(obs)(obs.lo_s, obs.hi_s),
+                                  run_s))
+            p.start()
+            theirs.close()
+            self.procs[cls], self.conns[cls] = p, mine
+
+    async def _gather(self, timeout_s: float, kind: str) -> dict[str, tuple]:
+        """Every client's next message, which must be `kind`."""
+        async def one(cls: str) -> tuple:
+            try:
+                msg = await asyncio.to_thread(_recv, self.conns[cls], timeout_s,
+                                              f"client {cls}")
+            except EOFError:
+                raise RuntimeError(f"client {cls} exited (code "
+                                   f"{self.procs[cls].exitcode}) before {kind!r}") from None
+            if msg[0] == "error":
+                raise RuntimeError(f"client {cls}: {msg[1]}")
+            if msg[0] != kind:
+                raise RuntimeError(f"client {cls}: expected {kind!r}, got {msg[0]!r}")
+            return msg
+        msgs = await asyncio.gather(*(one(cls) for cls in self.conns))
+        return dict(zip(self.conns, msgs, strict=True))
+
+    async def ready(self) -> None:
+        for cls, msg in (await self._gather(CLIENT_STEP_TIMEOUT_S, "ready")).items():
+            self.pids[f"client:{cls}"] = msg[1]
+
+    def send_all(self, msg: Any) -> None:
+        for conn in self.conns.values():
+            conn.send(msg)
+
+    async def waited(self, run_s: float) -> None:
+        await self._gather(run_s + CLIENT_STEP_TIMEOUT_S, "waited")
+
+    async def done(self, obs: Any) -> tuple[list[float], list[str]]:
+        """Their observations merged into `obs`; (lag ms, error codes) of all."""
+        lag: list[float] = []
+        errors: list[str] = []
+        for msg in (await self._gather(CLIENT_STEP_TIMEOUT_S, "done")).values():
+            obs.absorb(msg[1])
+            lag += msg[2]
+            errors += msg[3]
+        return lag, errors
+
+    def stop(self) -> None:
+        """Reap them: they exit after "done"; anything left (a failure) is killed."""
+        for p in self.procs.values():
+            p.join(timeout=20 if p.exitcode is None else 0)
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=5)
+        for conn in self.conns.values():
+            conn.close()
+
+
+async def _run_clients(fleet: Fleet, lives: list[Live], obs: Any, *, run_s: float,
+                       nats_url: str, prefix: str, pids: dict[str, int],
+                       busy: list[int]) -> tuple[dict, list[float], list[str]]:
+    """`lives` through one client process per class: (CPU cores, lag ms, error codes)."""
+    loop = asyncio.get_running_loop()
+    clients = ClientProcs()
+    try:
+        clients.start(lives, obs, nats_url, prefix, run_s)
+        await clients.ready()
+        await fleet.wait_idle(10)
+        pids = {**pids, **clients.pids}
+        cpu0 = cpu_snapshot(pids)
+        t0 = loop.time() + 0.5  # time for t0 to reach every client
+        clients.send_all(t0)
+        sampler = loop.create_task(_busy_sampler(fleet, obs, t0, busy))
+        try:
+            await clients.waited(run_s)
+        finally:
+            sampler.cancel()
+        cpu1 = cpu_snapshot(pids)
+        clients.send_all("finish")
+        lag, errors = await clients.done(obs)
+    finally:
+        clients.stop()
+    return cpu_usage(cpu0, cpu1), lag, errors
+
+
 async def run_real(wl: Workload, doc: dict, arrivals: list[Arrival], class_of: list[str],
                    obs: Any, *, run_s: float, nats_url: str, nats_pid: int | None,
                    prefix: str, workers: int, spec: WorkerSpec, log_dir: Path,
-                   notes: list[str]) -> dict[str, Any]:
+                   notes: list[str], clients: str = PER_CLASS) -> dict[str, Any]:
     """The arrivals through a fresh real fleet; requests arriving in `obs`'s window
-    may run until `run_s` after t0 (the simulator runs as long). Diagnostics."""
+    may run until `run_s` after t0 (the simulator runs as long). `clients`: one client
+    process per class, or one client here for all (`CLIENT_LAYOUTS`). Diagnostics."""
+    if clients not in CLIENT_LAYOUTS:
+        raise ValueError(f"clients: one of {CLIENT_LAYOUTS}, got {clients!r}")
     loop = asyncio.get_running_loop()
     lives = lives_of(wl, arrivals, class_of)
+    busy: list[int] = []
     async with real_fleet(wl, doc, nats_url=nats_url, prefix=prefix, workers=workers,
                           spec=spec, log_dir=log_dir, notes=notes) as (fleet, client):
-        await warm_up(client, lives)
-        await fleet.wait_idle(10)
-        gen = LoadGen(client, obs)
-        busy: list[int] = []
         pids = fleet_pids(fleet, nats_pid)
-        cpu0 = cpu_snapshot(pids)
-        t0 = loop.time() + 0.2
-        sampler = loop.create_task(_busy_sampler(fleet, obs, t0, busy))
-        await gen.run(lives, t0)
-        while loop.time() < t0 + run_s and any(
-                lv.t_done is None and lv.error is None for lv in gen.lives
-                if obs.in_window(lv.arrival.t_s)):
-            await asyncio.sleep(0.1)
-        cpu1 = cpu_snapshot(pids)
-        sampler.cancel()
-        await gen.cancel_all()
-        gen.report()
+        if clients == PER_CLASS:
+            cpu, lag, errors = await _run_clients(fleet, lives, obs, run_s=run_s,
+                                                  nats_url=nats_url, prefix=prefix, pids=pids,
+                                                  busy=busy)
+        else:
+            await warm_up(client, lives)
+            await fleet.wait_idle(10)
+            gen = LoadGen(client, obs)
+            cpu0 = cpu_snapshot(pids)
+            t0 = loop.time() + 0.2
+            sampler = loop.create_task(_busy_sampler(fleet, obs, t0, busy))
+            await gen.run(lives, t0)
+            await _wait_window(gen, obs, t0 + run_s)
+            cpu = cpu_usage(cpu0, cpu_snapshot(pids))
+            sampler.cancel()
+            await gen.cancel_all()
+            gen.report()
+            lag, errors = gen.lag_ms(), [lv.error for lv in gen.lives if lv.error]
         problems = fleet.log_problems(max_lines=5)
-    lag = gen.lag_ms()
-    errors = [lv.error for lv in gen.lives if lv.error]
-    return {"cpu_cores": cpu_usage(cpu0, cpu1),
+    return {"clients": clients, "cpu_cores": cpu,
             "lag_p50_ms": round(statistics.median(lag), 2) if lag else None,
             "lag_max_ms": round(max(lag), 2) if lag else None,
             "busy_slots_mean": round(statistics.mean(busy), 1) if busy else None,

@@ -1,7 +1,9 @@
 """The simulator-fidelity comparison (issue 12, item 5): fleetsim vs the real fleet on
 the same arrivals, from the JSON bench/fidelity.py writes ({"meta", "data": {"runs":
-[{"variant": "SCENARIO:sim" | "SCENARIO:real", "rep", "metrics": {"classes": {CLASS:
-{...}}}}], "scenarios", "network_ms", ...}}).
+[{"variant": "SCENARIO:sim" | "SCENARIO:real" | "SCENARIO:real-shared", "rep",
+"metrics": {"classes": {CLASS: {...}}}}], "scenarios", "network_ms", ...}}). `real`
+is the real fleet with one client process per traffic class; `real-shared`, run only
+when asked for, the same with one client for every class (the earlier rig).
 
 Pure: the relative errors, the tail each comparison may use, the verdicts and the
 tables. bench/fidelity.py writes its results markdown with the same functions, so the
@@ -31,7 +33,7 @@ from bench.render_common import (
 
 TOLERANCE = 0.10  # issue 12: TTFT p50/p99 and throughput within 10% (Vidur: < 9%)
 ALL = "all"  # the pseudo-class of every request of a scenario
-SIM, REAL = "sim", "real"
+SIM, REAL, REAL_SHARED = "sim", "real", "real-shared"
 
 
 @dataclass(frozen=True)
@@ -108,22 +110,23 @@ class Row:
         return self.metric.label
 
 
-def pairs(runs: list[dict], scenario: str) -> list[tuple[dict, dict]]:
-    """(sim, real) class metrics of each repetition where both runs succeeded."""
+def pairs(runs: list[dict], scenario: str, real: str = REAL) -> list[tuple[dict, dict]]:
+    """(sim, `real` variant) class metrics of each repetition where both runs succeeded."""
     by: dict[tuple[int, str], dict] = {}
     for r in runs:
         scen, _, variant = str(r.get("variant", "")).partition(":")
         if scen == scenario and not r.get("error"):
             by[(r["rep"], variant)] = r["metrics"]["classes"]
     reps = sorted({rep for rep, _ in by})
-    return [(by[(rep, SIM)], by[(rep, REAL)]) for rep in reps
-            if (rep, SIM) in by and (rep, REAL) in by]
+    return [(by[(rep, SIM)], by[(rep, real)]) for rep in reps
+            if (rep, SIM) in by and (rep, real) in by]
 
 
-def compare(runs: list[dict], scenario: str, classes: Sequence[str]) -> list[Row]:
+def compare(runs: list[dict], scenario: str, classes: Sequence[str],
+            real: str = REAL) -> list[Row]:
     """One row per class x metric with a value on either side (a class with no
     requests arriving in the window has no TTFT, only its throughput)."""
-    ps = pairs(runs, scenario)
+    ps = pairs(runs, scenario, real)
     rows = []
     for cls in [*classes, ALL]:
         both = [(s[cls], r[cls]) for s, r in ps if cls in s and cls in r]
@@ -139,10 +142,10 @@ def compare(runs: list[dict], scenario: str, classes: Sequence[str]) -> list[Row
     return rows
 
 
-def all_rows(data: dict) -> list[Row]:
+def all_rows(data: dict, real: str = REAL) -> list[Row]:
     runs = data.get("runs", [])
     return [row for name, scen in data.get("scenarios", {}).items()
-            for row in compare(runs, name, scen.get("classes", []))]
+            for row in compare(runs, name, scen.get("classes", []), real)]
 
 
 # --- text ---------------------------------------------------------------------------------
@@ -191,18 +194,21 @@ def setup_line(data: dict) -> str:
             f"(arrivals, warm-up dropped): {windows}.")
 
 
-def comparison_table(data: dict) -> str:
-    header = ["scenario", "class", "metric", "sim", "real", "error, median (range)",
+def comparison_table(data: dict, real: str = REAL) -> str:
+    header = ["scenario", "class", "metric", "sim", real, "error, median (range)",
               "verdict"]
     rows = [[r.scenario, r.cls, r.label, fmt_value(r.sim), fmt_value(r.real), fmt_err(r.err),
-             fmt_verdict(r)] for r in all_rows(data)]
-    return setup_line(data) + "\n\n" + table(header, "lllrrrl", rows)
+             fmt_verdict(r)] for r in all_rows(data, real)]
+    table_text = table(header, "lllrrrl", rows)
+    return table_text if real != REAL else setup_line(data) + "\n\n" + table_text
 
 
 def _cores(cpu: dict[str, float]) -> str:
     workers = sum(v for k, v in cpu.items() if k.startswith("worker"))
+    # The load generator: this process and its client processes ("clients"; older
+    # results have only "bench", the one process that was all of it).
     return " / ".join(fmt_sig(x) for x in (workers, cpu.get("dispatcher"), cpu.get("nats"),
-                                           cpu.get("bench")))
+                                           cpu.get("clients", cpu.get("bench"))))
 
 
 def diagnostics_table(data: dict) -> str:
@@ -225,7 +231,7 @@ def diagnostics_table(data: dict) -> str:
                      allm.get("censored", "n/a"), _cores(cpu) if cpu else "—",
                      f"{busy:.0%}" if busy is not None else "—",
                      f"{fmt_sig(d.get('lag_p50_ms'))} / {fmt_sig(d.get('lag_max_ms'))}"
-                     if variant == REAL else "—", extra])
+                     if variant != SIM else "—", extra])
     header = ["scenario", "rep", "variant", "busy slots, mean", "censored",
               "CPU cores: workers / dispatcher / nats / load generator", "machine busy",
               "generator lag p50 / max, ms", "notes"]
@@ -257,10 +263,21 @@ and the machine's busy fraction, which counts every job on the machine, not only
 this benchmark's: a real run on a busy machine steps slower than its model."""
 
 
+SHARED_TEXT = """\
+`real-shared`: the same real fleet and arrivals with every traffic class's requests
+sent and read by one client in the benchmark's process (one connection, one event
+loop), as this benchmark ran before per-class client processes. Not judged: it
+measures the rig's client as well as the fleet (a quiet tenant's first token waits
+behind the other classes' token chunks there)."""
+
+
 def report(data: dict) -> str:
     """The results markdown's body (bench/fidelity.py)."""
-    parts = ["## Sim vs real", "", comparison_table(data), "",
-             "## Runs", "", diagnostics_table(data)]
+    parts = ["## Sim vs real", "", comparison_table(data)]
+    if any(str(r.get("variant", "")).endswith(f":{REAL_SHARED}") for r in data.get("runs", [])):
+        parts += ["", "## Sim vs real with one shared client (the earlier rig)", "",
+                  SHARED_TEXT, "", comparison_table(data, REAL_SHARED)]
+    parts += ["", "## Runs", "", diagnostics_table(data)]
     notes = data.get("notes") or []
     if notes:
         parts += ["", "## Notes", "", *[f"- {n}" for n in notes]]

@@ -21,6 +21,7 @@ from bench.fidelity import (
     parse_args,
     scaled_doc,
     sim_idle_ttft_ms,
+    variants_of,
 )
 from bench.fidelity_real import cpu_usage, prompt_of, tenants_doc
 from bench.harness import summarize
@@ -97,6 +98,37 @@ def test_observations_drop_the_warm_up_and_count_tokens_inside_the_window():
     assert m["b"]["ttft_p50_ms"] is None and m["b"]["tokens_per_s"] == pytest.approx(1.0)
 
 
+def test_a_client_process_observations_add_up_to_one_run():
+    whole, parts = Observations(10.0, 70.0), [Observations(10.0, 70.0), Observations(10.0, 70.0)]
+    events = [("quiet", 12.0, 0.03, 2.0, 40), ("noisy", 20.0, 0.5, 9.0, 300),
+              ("noisy", 5.0, 0.4, 8.0, 300), ("quiet", 30.0, 0.02, 1.0, 20)]
+    for i, (cls, t, ttft, e2e, n) in enumerate(events):
+        for obs in (whole, parts[i % 2]):
+            obs.arrival(cls, t)
+            obs.first_token(cls, t, ttft)
+            obs.finished(cls, t, e2e, ttft, n)
+            obs.generated(cls, t + ttft, t + e2e, n)
+    merged = Observations(10.0, 70.0)
+    for p in parts:
+        merged.absorb(p)
+    assert merged.arrived == whole.arrived
+    for attr in ("ttft_s", "e2e_s", "tpot_s"):
+        assert {k: sorted(v) for k, v in getattr(merged, attr).items()} == \
+            {k: sorted(v) for k, v in getattr(whole, attr).items()}
+    assert merged.tokens == pytest.approx(whole.tokens)
+    with pytest.raises(ValueError):
+        merged.absorb(Observations(0.0, 70.0))
+
+
+def test_variants_are_sim_and_real_and_optionally_the_shared_client_rig():
+    assert variants_of(parse_args([])) == ["sim", "real"]
+    assert variants_of(parse_args(["--variants", "real,sim,real-shared"])) == \
+        ["real", "sim", "real-shared"]
+    for bad in ("sim", "sim,real,real", "sim,real,fast"):
+        with pytest.raises(SystemExit):
+            parse_args(["--variants", bad])
+
+
 def test_network_ms_is_the_idle_p50_gap_and_never_negative():
     assert network_ms_from([15.0, 16.0, 40.0], [10.5, 10.5]) == pytest.approx(5.5)
     assert network_ms_from([9.0], [10.0]) == 0.0
@@ -141,7 +173,17 @@ def test_cpu_usage_in_cores():
     a = {"worker0": 1.0, "nats": 0.5, "bench": 2.0, "_busy": 100, "_total": 400, "_wall": 10.0}
     b = {"worker0": 3.0, "nats": 1.5, "bench": 3.0, "_busy": 300, "_total": 800, "_wall": 20.0}
     assert cpu_usage(a, b) == {"worker0": 0.2, "nats": 0.1, "bench": 0.1, "fleet": 0.3,
-                               "machine_busy_frac": 0.5}
+                               "clients": 0.1, "machine_busy_frac": 0.5}
+
+
+def test_cpu_usage_counts_client_processes_as_load_not_fleet():
+    a = {"worker0": 1.0, "bench": 2.0, "client:quiet": 0.0, "client:noisy": 1.0,
+         "_busy": 0, "_total": 100, "_wall": 0.0}
+    b = {"worker0": 2.0, "bench": 2.5, "client:quiet": 0.5, "client:noisy": 4.0,
+         "_busy": 50, "_total": 200, "_wall": 10.0}
+    cores = cpu_usage(a, b)
+    assert cores["fleet"] == 0.1  # the worker alone
+    assert cores["clients"] == 0.4  # 0.05 + 0.05 + 0.3
 
 
 # --- a hand-made results file -------------------------------------------------------------
@@ -214,3 +256,24 @@ def test_fidelity_table_and_summary_row_from_a_results_file(tmp_path):
     assert row[2] == "≤ 10% each — missed"
     assert row[3] == "[fidelity](res/fidelity.md) (abc1234, 2030-01-02)"
     assert "## Runs" in report(_doc()["data"])
+    assert "shared client" not in report(_doc()["data"])
+
+
+def test_the_shared_client_rig_is_reported_beside_not_instead_of_the_real_fleet():
+    data = _doc()["data"]
+    data["runs"] += [
+        _run("steady:real-shared", 0, 6, {"a": _m(50, 120, 1000, 300),
+                                          "all": _m(50, 120, 1000, 300)}),
+        _run("steady:real-shared", 1, 7, {"a": _m(60, 120, 1000, 300),
+                                          "all": _m(60, 120, 1000, 300)}),
+    ]
+    # The judged comparison is still sim vs real.
+    met, n, _ = headline(compare(data["runs"], "steady", ["a"]))
+    assert (met, n) == (6, 8)
+    shared = {(r.cls, r.metric.key): r for r in compare(data["runs"], "steady", ["a"],
+                                                        "real-shared")}
+    assert shared[("a", "ttft_p50_ms")].real.median == pytest.approx(55.0)
+    text = report(data)
+    assert "## Sim vs real with one shared client" in text
+    assert text.index("## Sim vs real\n") < text.index("shared client") < text.index("## Runs")
+    assert "| steady | 0 | real-shared |" in text  # its runs in the Runs table
