@@ -12,10 +12,16 @@ TTFT p50 and p99, output tokens/s and end-to-end p50 per traffic class, target w
   (`hint_output_tokens`).
 - **real**: a loopback nats-server, a dispatcher and N `python -m gpu_worker --engine sim
   --time-scale 1.0` processes (`bench.fleet`), the same step model, slots and prefetch;
-  a load generator in this process submits each arrival at its time with the producer
-  library (a prompt of 4 characters per token: the worker's estimate; the output length
-  as `expected_output_tokens`, which the simulator engine generates exactly) and times
-  every stream on the client's monotonic clock (`bench/fidelity_real.py`).
+  a load generator submits each arrival at its time with the producer library (a
+  prompt of 4 characters per token: the worker's estimate; the output length as
+  `expected_output_tokens`, which the simulator engine generates exactly) and times
+  every stream on the machine's monotonic clock (`bench/fidelity_real.py`). Each
+  traffic class is its own client process (connection and event loop), as different
+  tenants' clients are: one client for all made a quiet tenant's first token wait
+  behind a flood's token chunks in the client, which no fleet does.
+- **real-shared** (only with `--variants sim,real,real-shared`): the real fleet with
+  one client in this process for every class, the rig before per-class clients;
+  reported beside the comparison, not judged.
 - **Measurement window**: requests ARRIVING in [warmup_s, duration_s) count, in both;
   throughput is the output tokens generated inside that window ÷ its length. After the
   last arrival both keep running `drain_s` for the window's requests to finish; a
@@ -44,7 +50,8 @@ seconds behind (generator lag up to 2.5 s, which a client-side TTFT includes), a
 workers the steady TTFT p99 doubled, at 16 the real fleet fell behind its arrivals.
 
 Writes bench/results/fidelity.{md,json} (`--out-dir`). Runtime on the 2-core dev VM:
-full (5 reps) ~14 min, `--quick` (1 rep, 30 s scenarios) ~2 min.
+full (5 reps) ~14 min, ~26 min with `real-shared`; `--quick` (1 rep, 30 s scenarios)
+~2 min.
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ HOW_TO_READ = """\
 Each scenario's arrivals (a fleetsim workload, seed = the repetition) go once through
 the simulator (`fleetsim`, in-process, virtual time) and once through the real fleet
 (loopback nats-server, dispatcher and `gpu_worker --engine sim --time-scale 1.0`
-processes, the producer library as the client). **sim** and **real** columns are
+processes, the producer library as the client, one client process per traffic
+class; `real-shared`, when run: one client for all). **sim** and **real** columns are
 medians over repetitions; the error is (sim − real) ÷ real per repetition, as median
 (min to max), and a metric is within the target when the median's magnitude is ≤ 10%.
 TTFT p99 needs ≥ 200 requests in every run compared, else the row compares maxima.
