@@ -16,6 +16,7 @@ rides out a cluster's stream-leader election.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -44,27 +45,38 @@ log = structlog.get_logger(__name__)
 # unanswered for a while (chaos nats_lease_leader_kill: 7 of 150 resumes ran out of a
 # 10 s window).
 FAILOVER_RETRY_S = 20.0
+# How long `FairlaneClient.connect` tries to reach NATS before it raises: once
+# connected, the client reconnects for ever, but a wrong URL or a server that is down
+# must be an error, not a wait for ever (nats-py with unlimited reconnect attempts
+# retries the first connect without end).
+CONNECT_WAIT_S = 10.0
 
 
 async def open_connection(nats_url: str, *, prefix: str = "fl", tenant: str | None = None,
                           user: str = "", password: str = "", tls_ca_file: str = "",
-                          **nats_kw: Any) -> NatsClient:
+                          client: NatsClient | None = None, **nats_kw: Any) -> NatsClient:
     """nats.connect with the producer's login; `nats_kw` are nats-py's own options.
-    The connection's permission errors are watched (see `guard_publish`)."""
+    The connection's permission errors are watched (see `guard_publish`). `client`: a
+    fresh nats-py client to connect (its caller can then close it if connecting is
+    abandoned half way); default a new one."""
     inbox = Subjects(prefix).rpc_inbox(tenant) if tenant else None
     watch = PermissionWatch(nats_kw.pop("error_cb", log_nats_error))
     nats_kw.setdefault("name", "fairlane-producer")
-    nc = await nats.connect(**{**credentials(user, password, tls_ca_file, inbox),
-                               "servers": server_urls(nats_url), **nats_kw},
-                            error_cb=watch.error_cb)
+    nc = client if client is not None else NatsClient()
+    await nc.connect(**{**credentials(user, password, tls_ca_file, inbox),
+                        "servers": server_urls(nats_url), **nats_kw},
+                     error_cb=watch.error_cb)
     watch_permissions(nc, watch)
     return nc
 
 
 async def connect_client(cls: Any, nats_url: str, *, user: str = "", password: str = "",
-                         tls_ca_file: str = "", **kwargs: Any) -> Any:
-    """`FairlaneClient.connect`: a connection of its own (reconnecting for ever),
-    cancels held while disconnected sent on reconnect, every stream failed on close."""
+                         tls_ca_file: str = "", connect_wait_s: float | None = CONNECT_WAIT_S,
+                         **kwargs: Any) -> Any:
+    """`FairlaneClient.connect`: a connection of its own (reconnecting for ever once
+    made), cancels held while disconnected sent on reconnect, every stream failed on
+    close. The first connect gives up after `connect_wait_s` (None: waits for NATS
+    for ever) with a `ConnectionError` naming the URL and the last failure."""
     holder: list[Any] = []
 
     async def on_reconnect() -> None:
@@ -75,10 +87,21 @@ async def connect_client(cls: Any, nats_url: str, *, user: str = "", password: s
         if holder:
             holder[0]._fail_all(ErrorCode.STREAM_LOST, "NATS connection closed")
 
-    nc = await open_connection(nats_url, prefix=kwargs.get("prefix", "fl"),
-                               tenant=kwargs.get("tenant"), user=user, password=password,
-                               tls_ca_file=tls_ca_file, max_reconnect_attempts=-1,
-                               reconnected_cb=on_reconnect, closed_cb=on_closed)
+    nc = NatsClient()
+    try:
+        await asyncio.wait_for(
+            open_connection(nats_url, prefix=kwargs.get("prefix", "fl"),
+                            tenant=kwargs.get("tenant"), user=user, password=password,
+                            tls_ca_file=tls_ca_file, max_reconnect_attempts=-1,
+                            reconnected_cb=on_reconnect, closed_cb=on_closed, client=nc),
+            connect_wait_s)
+    except TimeoutError:
+        last = nc.last_error
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise ConnectionError(
+            f"could not connect to NATS at {nats_url} within {connect_wait_s:g} s"
+            + (f" (last error: {last!r})" if last is not None else "")) from None
     client = cls(nc, owns_connection=True, **kwargs)
     holder.append(client)
     await client.start()

@@ -140,7 +140,10 @@ class FairlaneClient(SilenceWatch):
     async def connect(cls, nats_url: str, **kwargs) -> FairlaneClient:
         """Connect and start a client; ``user=``, ``password=`` log in (a tenant's or
         a service's NATS user) and ``tls_ca_file=`` verifies the server's TLS
-        certificate (`producer.auth.connect_client`); other keywords go to the client."""
+        certificate (`producer.auth.connect_client`); ``connect_wait_s=`` bounds the
+        first connect (default 10 s, then `ConnectionError`; None waits for NATS for
+        ever; once connected the client reconnects for ever); other keywords go to the
+        client."""
         return await connect_client(cls, nats_url, **kwargs)
 
     async def start(self, provision_streams: bool | None = None,

@@ -1,6 +1,7 @@
 """The producer's delivery guarantees against a real nats-server, dispatcher and sim
-worker: close() cancels upstream, a silent stream ends with `stream_lost`, and a retry
-with the same request id after a retryable failure is served to the end."""
+worker: close() cancels upstream, a silent stream ends with `stream_lost`, a retry
+with the same request id after a retryable failure is served to the end, and a first
+connect to no server is an error, not a wait for ever."""
 
 from __future__ import annotations
 
@@ -251,3 +252,22 @@ async def test_duplicate_of_our_copy_flushed_behind_our_back_attaches(fleet, nc)
 
     client.js.publish = publish_after_an_early_copy
     await _served_once_as_attempt_0(client)
+
+
+async def test_connecting_to_no_server_is_an_error_within_its_wait_not_a_wait_for_ever():
+    """Once connected the client reconnects for ever, but a wrong URL or a server that
+    is down answers the first connect with ConnectionError (nats-py alone would retry
+    it without end)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(ConnectionError, match=r"nats://127\.0\.0\.1:1 within 1\.5 s"):
+        await FairlaneClient.connect("nats://127.0.0.1:1", connect_wait_s=1.5)
+    assert loop.time() - t0 < 10
+
+
+async def test_connect_wait_none_still_connects_to_a_live_server(nats_server):
+    client = await FairlaneClient.connect(nats_server.url, connect_wait_s=None)
+    try:
+        assert client.nc.is_connected
+    finally:
+        await client.close()
