@@ -10,7 +10,7 @@ import os
 import pytest
 
 from bench.fidelity import Observations, class_of_tenants
-from bench.fidelity_real import PER_CLASS, ClientProcs, Live, run_real
+from bench.fidelity_real import CLIENT_LAYOUTS, PER_CLASS, ClientProcs, Live, run_real
 from bench.fleet import WorkerSpec
 from fleetsim.records import Arrival
 from fleetsim.workload import load_workload
@@ -39,8 +39,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("clients", CLIENT_LAYOUTS)
 async def test_each_class_is_its_own_client_process_and_every_request_is_timed(
-        nats_server, uid, tmp_path):
+        nats_server, uid, tmp_path, clients):
+    """Per class (the default) and shared (the earlier rig, `real-shared`): the same
+    requests, timed the same way; only where the clients run differs."""
     doc = _doc()
     wl = load_workload(doc)
     arrivals = list(wl.arrivals())
@@ -50,8 +53,8 @@ async def test_each_class_is_its_own_client_process_and_every_request_is_timed(
         wl, doc, arrivals, class_of_tenants(wl), obs, run_s=WINDOW_S[1] + 10,
         nats_url=nats_server.url, nats_pid=None, prefix=f"fc{uid}", workers=1,
         spec=WorkerSpec(max_num_seqs=8, prefetch_seqs=2, time_scale=1.0, heartbeat_ms=500),
-        log_dir=tmp_path, notes=[], clients=PER_CLASS)
-    assert diag["clients"] == PER_CLASS and diag["errors"] == 0
+        log_dir=tmp_path, notes=[], clients=clients)
+    assert diag["clients"] == clients and diag["errors"] == 0
     for cls in ("noisy", "quiet"):
         n = sum(1 for a in arrivals if class_of_tenants(wl)[a.tenant] == cls)
         assert obs.arrived[cls] == n  # the parent's view: merged from that class's process
@@ -60,8 +63,12 @@ async def test_each_class_is_its_own_client_process_and_every_request_is_timed(
         assert 0 < obs.tokens[cls] <= 8 * n  # tokens generated inside the window
         assert len(obs.tpot_s[cls]) == n  # every stream read to its end (8 tokens)
     cpu = diag["cpu_cores"]
-    assert {"client:noisy", "client:quiet"} <= set(cpu)
-    assert cpu["clients"] >= cpu["client:noisy"] + cpu["client:quiet"] - 0.002  # rounding
+    if clients == PER_CLASS:
+        assert {"client:noisy", "client:quiet"} <= set(cpu)
+        assert cpu["clients"] >= cpu["client:noisy"] + cpu["client:quiet"] - 0.002  # rounding
+    else:
+        assert not [k for k in cpu if k.startswith("client:")]
+        assert cpu["clients"] == cpu["bench"]  # the one client is this process
     assert diag["lag_max_ms"] is not None and diag["lag_max_ms"] < 1000
 
 
