@@ -17,8 +17,8 @@ TTFT p50 and p99, output tokens/s and end-to-end p50 per traffic class, target w
   `expected_output_tokens`, which the simulator engine generates exactly) and times
   every stream on the machine's monotonic clock (`bench/fidelity_real.py`). Each
   traffic class is its own client process (connection and event loop), as different
-  tenants' clients are: one client for all made a quiet tenant's first token wait
-  behind a flood's token chunks in the client, which no fleet does.
+  tenants' clients are: one client for all held a quiet tenant's submits up behind a
+  flood's burst of submits (up to 137 ms), which no fleet does.
 - **real-shared** (only with `--variants sim,real,real-shared`): the real fleet with
   one client in this process for every class, the rig before per-class clients;
   reported beside the comparison, not judged.

@@ -11,9 +11,11 @@ that separates it from the simulator.
 Clients (`CLIENT_LAYOUTS`): by default each traffic class is its own client process
 (its own connection and event loop), as different tenants' clients are in production.
 `shared` runs every class through one client in this process, the rig before
-per-class clients: there a quiet tenant's first token waited in the same socket and
-event loop behind every token chunk of a flood's 128 streams (~9,500 a second in
-fidelity's light scenario), a delay no fleet adds and the simulator does not model.
+per-class clients: there the flood's burst of submits held up a quiet tenant's (the
+generator up to 137 ms late in fidelity's light scenario), and its first tokens
+shared one socket and event loop with the flood's ~9,500 token chunks a second. The
+first no fleet does; the second, measured, moved the quiet tenant's TTFT by well
+under a millisecond at the median (BENCHMARKS §9).
 """
 
 from __future__ import annotations
@@ -419,10 +421,13 @@ class ClientProcs:
             errors += msg[3]
         return lag, errors
 
-    def stop(self) -> None:
-        """Reap them: they exit after "done"; anything left (a failure) is killed."""
+    def stop(self, *, kill: bool = False) -> None:
+        """Reap them: they exit after "done" (closing their client takes a moment);
+        with `kill` (a failure: the others would wait for a t0 or a "finish" that
+        never comes) or past that moment, they are killed."""
         for p in self.procs.values():
-            p.join(timeout=20 if p.exitcode is None else 0)
+            if not kill and p.exitcode is None:
+                p.join(timeout=20)
             if p.exitcode is None:
                 p.kill()
                 p.join(timeout=5)
@@ -452,8 +457,10 @@ async def _run_clients(fleet: Fleet, lives: list[Live], obs: Any, *, run_s: floa
         cpu1 = cpu_snapshot(pids)
         clients.send_all("finish")
         lag, errors = await clients.done(obs)
-    finally:
-        clients.stop()
+    except BaseException:
+        clients.stop(kill=True)
+        raise
+    clients.stop()
     return cpu_usage(cpu0, cpu1), lag, errors
 
 

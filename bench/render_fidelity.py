@@ -268,8 +268,9 @@ SHARED_TEXT = """\
 `real-shared`: the same real fleet and arrivals with every traffic class's requests
 sent and read by one client in the benchmark's process (one connection, one event
 loop), as this benchmark ran before per-class client processes. Not judged: it
-measures the rig's client as well as the fleet (a quiet tenant's first token waits
-behind the other classes' token chunks there)."""
+measures the rig's client as well as the fleet (a quiet tenant's submits wait behind
+a flood's burst of submits there, and its first tokens share the client with the
+flood's token chunks)."""
 
 
 def report(data: dict) -> str:
