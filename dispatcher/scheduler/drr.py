@@ -90,8 +90,15 @@ class DrrPolicy:
 
     def remove(self, req: QueuedRequest) -> None:
         st = self._book.states.get((req.tier, req.tenant))
-        if st is not None:
-            st.queue.remove(req)  # an emptied tenant leaves the ring at its next visit
+        if st is None:
+            return
+        blocked_head = st.parked and st.queue.peek() is req
+        st.queue.remove(req)  # an emptied tenant leaves the ring at its next visit
+        # A parked tenant whose blocked head left (cancelled, expired) may fit its KV
+        # quota with the next one, as when a smaller head arrives (`push`); parked, it
+        # would wait for a release that may never come. Still blocked: parked again.
+        if blocked_head and st.queue:
+            self._activate(st)
 
     def take(self, req: QueuedRequest, now_ms: float) -> None:
         # Its turn, taken before the ring reaches it: the quantum is granted now, and the

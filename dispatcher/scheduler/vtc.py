@@ -109,8 +109,13 @@ class VtcPolicy:
 
     def remove(self, req: QueuedRequest) -> None:
         st = self._book.states.get((req.tier, req.tenant))
-        if st is not None:
-            st.queue.remove(req)
+        if st is None:
+            return
+        blocked_head = st.parked and st.queue.peek() is req
+        st.queue.remove(req)
+        # As DRR's `remove`: the next head of a parked tenant may fit its quota.
+        if blocked_head and st.queue and not st.active:
+            self._heap_push(st)
 
     def take(self, req: QueuedRequest, now_ms: float) -> None:
         self.remove(req)  # `charge` raises its counter and re-keys it

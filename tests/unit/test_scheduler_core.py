@@ -275,6 +275,24 @@ def test_kv_quota_and_free_kv_budget():
     assert ids(s2.select(10, 1, free_kv_tokens=30, must_fit=True)) == ["b-last"]
 
 
+@pytest.mark.parametrize("policy", ["drr", "vtc"])  # fifo parks nothing: it scans past
+def test_a_kv_blocked_head_that_leaves_unblocks_the_next_request(policy):
+    """A tenant parked behind a head too big for its KV quota: when that head is
+    cancelled, the next request, which fits, goes at once (found by the property test:
+    parked, the tenant waited for a release, and no slot was given to eligible work)."""
+    cfg = SchedulerConfig(policy=policy, quantum=10,
+                          tenants={"a": TenantConfig("a", max_kv_tokens=60)})
+    s = Scheduler(cfg)
+    s.submit(req("a", prompt=30, out=10, rid="running"), 0)  # 40 KV tokens
+    assert ids(s.select(1, 1)) == ["running"]
+    s.submit(req("a", prompt=20, out=10, priority=1, rid="big"), 2)  # 30: 70 > 60
+    assert s.select(1, 3) == []  # blocked: the tenant is parked
+    s.submit(req("a", prompt=5, out=5, rid="small"), 4)  # 10 fits, but queues behind
+    assert s.select(1, 5) == []
+    assert s.cancel("big") is not None
+    assert ids(s.select(1, 6)) == ["small"]
+
+
 @pytest.mark.parametrize("policy", ["drr", "vtc"])
 def test_true_up_debt_survives_empty_queue(policy):
     cfg = SchedulerConfig(policy=policy, cost_model="tokens", quantum=100)
