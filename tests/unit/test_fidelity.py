@@ -11,19 +11,18 @@ import pytest
 
 from bench.fidelity import (
     SCENARIOS,
-    Observations,
-    class_metrics,
     fleet_settings,
     idle_probes,
     load_scenario,
-    metrics_of,
     network_ms_from,
     parse_args,
     scaled_doc,
     sim_idle_ttft_ms,
     variants_of,
 )
-from bench.fidelity_real import cpu_usage, prompt_of, tenants_doc
+from bench.fidelity_load import prompt_of
+from bench.fidelity_obs import Observations, class_metrics, metrics_of
+from bench.fidelity_real import cpu_usage, tenants_doc
 from bench.harness import summarize
 from bench.render_common import Results
 from bench.render_fidelity import (
