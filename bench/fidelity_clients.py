@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.fidelity_load import Live, LoadGen, wait_window, warm_up
+from bench.fidelity_load import Live, LoadGen, warm_up
 from producer.client import FairlaneClient
 
 CLIENT_STEP_TIMEOUT_S = 60.0  # a client process's start (spawn, connect, warm-up), or a reply
@@ -55,13 +55,11 @@ async def _client_main(conn: Connection, nats_url: str, prefix: str, lives: list
         conn.send(("ready", os.getpid()))
         t0 = await asyncio.to_thread(_recv, conn, CLIENT_STEP_TIMEOUT_S, "t0 from the parent")
         gen = LoadGen(client, obs)
-        await gen.run(lives, t0)
-        await wait_window(gen, obs, t0 + run_s)
+        await gen.run_window(lives, t0, run_s)
         conn.send(("waited",))
         await asyncio.to_thread(_recv, conn, run_s + CLIENT_STEP_TIMEOUT_S, "finish")
-        await gen.cancel_all()
-        gen.report()
-        conn.send(("done", obs, gen.lag_ms(), [lv.error for lv in gen.lives if lv.error]))
+        lag, errors = await gen.finish()
+        conn.send(("done", obs, lag, errors))
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 15)

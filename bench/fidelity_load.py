@@ -93,6 +93,22 @@ class LoadGen:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
+    async def run_window(self, lives: list[Live], t0: float, run_s: float) -> None:
+        """`run`, then wait until t0 + run_s or until every request arriving in the
+        window has ended (the CPU snapshot goes between this and `finish`)."""
+        await self.run(lives, t0)
+        loop = asyncio.get_running_loop()
+        while loop.time() < t0 + run_s and any(
+                lv.t_done is None and lv.error is None for lv in self.lives
+                if self.obs.in_window(lv.arrival.t_s)):
+            await asyncio.sleep(0.1)
+
+    async def finish(self) -> tuple[list[float], list[str]]:
+        """Cancel what is left, report every request into `obs`; (lag ms, error codes)."""
+        await self.cancel_all()
+        self.report()
+        return self.lag_ms(), [lv.error for lv in self.lives if lv.error]
+
     async def cancel_all(self) -> None:
         """Stop reading and cancel the unfinished requests upstream (a stream whose
         reader stops is only forgotten by the client library; its work would go on)."""
@@ -148,11 +164,3 @@ class NullObservations:
     def generated(self, *args: Any) -> None:
         pass
 
-
-async def wait_window(gen: LoadGen, obs: Any, until: float) -> None:
-    """Until `until` (loop time) or every request arriving in the window has ended."""
-    loop = asyncio.get_running_loop()
-    while loop.time() < until and any(
-            lv.t_done is None and lv.error is None for lv in gen.lives
-            if obs.in_window(lv.arrival.t_s)):
-        await asyncio.sleep(0.1)

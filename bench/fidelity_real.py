@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from bench.fidelity_clients import ClientProcs
-from bench.fidelity_load import Live, LoadGen, NullObservations, lives_of, wait_window, warm_up
+from bench.fidelity_load import Live, LoadGen, NullObservations, lives_of, warm_up
 from bench.fleet import Fleet, WorkerSpec
 from fleetsim.records import Arrival
 from fleetsim.workload import Workload
@@ -125,18 +125,22 @@ def cpu_usage(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 @contextlib.asynccontextmanager
 async def real_fleet(wl: Workload, doc: dict, *, nats_url: str, prefix: str, workers: int,
-                     spec: WorkerSpec, log_dir: Path,
-                     notes: list[str]) -> AsyncIterator[tuple[Fleet, FairlaneClient]]:
-    """A started fleet and a connected client; both stopped on the way out, however
-    it is left (the client first: it cancels its open streams upstream)."""
+                     spec: WorkerSpec, log_dir: Path, notes: list[str],
+                     with_client: bool = True,
+                     ) -> AsyncIterator[tuple[Fleet, FairlaneClient | None]]:
+    """A started fleet and (`with_client`) a connected client; both stopped on the way
+    out, however it is left (the client first: it cancels its open streams upstream)."""
     fleet = Fleet(nats_url, prefix, yaml.safe_dump(tenants_doc(wl, doc)),
                   wl.scheduler_config.policy, log_dir, num_workers=workers, worker=spec,
                   pool=POOL)
     LIVE_FLEETS[id(fleet)] = fleet
-    client = None
+    client, started = None, False
     try:
         await fleet.start()
-        client = await FairlaneClient.connect(nats_url, prefix=prefix, max_buffered_chunks=4096)
+        started = True
+        if with_client:
+            client = await FairlaneClient.connect(nats_url, prefix=prefix,
+                                                  max_buffered_chunks=4096)
         yield fleet, client
     finally:
         if client is not None:
@@ -144,8 +148,10 @@ async def real_fleet(wl: Workload, doc: dict, *, nats_url: str, prefix: str, wor
                 await asyncio.wait_for(client.close(), 15)
             except Exception as exc:  # noqa: BLE001 - the fleet must still be stopped
                 notes.append(f"{prefix}: client.close failed: {exc!r}")
-            # Let the cancels land first: a worker told to stop drains by finishing what
-            # it runs (seconds at these lengths), past the stop's grace period.
+        if started:
+            # Let the cancels (this client's, or the client processes') land first: a
+            # worker told to stop drains by finishing what it runs (seconds at these
+            # lengths), past the stop's grace period.
             with contextlib.suppress(Exception):
                 await fleet.wait_idle(15)
         codes = await fleet.stop(grace_s=6.0)
@@ -214,9 +220,10 @@ async def run_real(wl: Workload, doc: dict, arrivals: list[Arrival], class_of: l
     lives = lives_of(wl, arrivals, class_of)
     busy: list[int] = []
     async with real_fleet(wl, doc, nats_url=nats_url, prefix=prefix, workers=workers,
-                          spec=spec, log_dir=log_dir, notes=notes) as (fleet, client):
+                          spec=spec, log_dir=log_dir, notes=notes,
+                          with_client=clients == SHARED) as (fleet, client):
         pids = fleet_pids(fleet, nats_pid)
-        if clients == PER_CLASS:
+        if client is None:  # PER_CLASS: the client processes connect on their own
             cpu, lag, errors = await _run_clients(fleet, lives, obs, run_s=run_s,
                                                   nats_url=nats_url, prefix=prefix, pids=pids,
                                                   busy=busy)
@@ -227,13 +234,10 @@ async def run_real(wl: Workload, doc: dict, arrivals: list[Arrival], class_of: l
             cpu0 = cpu_snapshot(pids)
             t0 = loop.time() + 0.2
             sampler = loop.create_task(_busy_sampler(fleet, obs, t0, busy))
-            await gen.run(lives, t0)
-            await wait_window(gen, obs, t0 + run_s)
+            await gen.run_window(lives, t0, run_s)
             cpu = cpu_usage(cpu0, cpu_snapshot(pids))
             sampler.cancel()
-            await gen.cancel_all()
-            gen.report()
-            lag, errors = gen.lag_ms(), [lv.error for lv in gen.lives if lv.error]
+            lag, errors = await gen.finish()
         problems = fleet.log_problems(max_lines=5)
     return {"clients": clients, "cpu_cores": cpu,
             "lag_p50_ms": round(statistics.median(lag), 2) if lag else None,
@@ -253,6 +257,7 @@ async def idle_ttft_ms(wl: Workload, doc: dict, probes: list[Arrival], *, nats_u
     lives = lives_of(wl, probes, class_of)
     async with real_fleet(wl, doc, nats_url=nats_url, prefix=prefix, workers=workers,
                           spec=spec, log_dir=log_dir, notes=notes) as (fleet, client):
+        assert client is not None
         await warm_up(client, lives)
         await fleet.wait_idle(10)
         gen = LoadGen(client, obs=NullObservations())
