@@ -173,8 +173,8 @@ def idle_probes(n: int, gap_s: float = 0.3, prompt_tokens: int = 32,
 class ObservingSink:
     """fleetsim's `Sink`, feeding `Observations` per class (and the busy slots)."""
 
-    def __init__(self, obs: Observations, class_of: list[str]) -> None:
-        self.obs, self.class_of = obs, class_of
+    def __init__(self, obs: Observations, class_of: list[str], network_ms: float) -> None:
+        self.obs, self.class_of, self.network_s = obs, class_of, network_ms / 1000
         self.busy_slots: list[int] = []
         self.num_rejected = 0
 
@@ -185,8 +185,12 @@ class ObservingSink:
         self.obs.first_token(self.class_of[tenant], t_s - ttft_s, ttft_s)
 
     def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
-                    output_tokens: int, preemptions: int) -> None:
-        self.obs.finished(self.class_of[tenant], t_s - e2e_s, e2e_s, ttft_s, output_tokens)
+                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0) -> None:
+        cls, arrival_s = self.class_of[tenant], t_s - e2e_s
+        self.obs.finished(cls, arrival_s, e2e_s, ttft_s, output_tokens)
+        if not preemptions:  # its one dispatch took network_ms to reach its worker
+            queue_s = max(0.0, ttft_s - worker_ttft_s - self.network_s)  # not -1e-17
+            self.obs.ttft_split(cls, arrival_s, ttft_s, queue_s, worker_ttft_s)
 
     def on_tokens(self, tenant: int, start_s: float, end_s: float, num_tokens: int) -> None:
         self.obs.generated(self.class_of[tenant], start_s, end_s, num_tokens)
@@ -209,7 +213,7 @@ def run_sim(wl: Workload, arrivals: list[Arrival], obs: Observations, settings: 
     class_of = class_of_tenants(wl)
     for a in arrivals:
         obs.arrival(class_of[a.tenant], a.t_s)
-    sink = ObservingSink(obs, class_of)
+    sink = ObservingSink(obs, class_of, settings.network_ms)
     fleet = Fleet(wl.scheduler_config, wl.tenants, sink, settings)
     t0 = time.perf_counter()
     with tuned_gc():

@@ -40,6 +40,7 @@ class Live:
     num_tokens: int = 0
     error: str | None = None
     stream: Any = None  # its RequestStream once submitted
+    usage: Any = None  # its last chunk's `Usage` (where its TTFT went)
 
 
 @dataclass
@@ -68,6 +69,8 @@ class LoadGen:
                     sampling=SamplingParams(max_tokens=a.max_tokens),
                     expected_output_tokens=min(a.output_tokens, a.max_tokens)))
             async for chunk in stream:
+                if chunk.usage is not None:
+                    live.usage = chunk.usage
                 n = chunk.num_tokens or len(chunk.token_ids or ())
                 if not n:
                     continue
@@ -134,6 +137,9 @@ class LoadGen:
             self.obs.first_token(cls, a.t_s, ttft_s)
             if live.t_done is not None and live.error is None:
                 self.obs.finished(cls, a.t_s, live.t_done - live.t_sub, ttft_s, live.num_tokens)
+                u = live.usage
+                if u is not None and u.attempt == 0:  # never preempted: one attempt
+                    self.obs.ttft_split(cls, a.t_s, ttft_s, u.queue_ms / 1000, u.ttft_ms / 1000)
 
     def lag_ms(self) -> list[float]:
         """How late each measured arrival's submit began (the generator's lag)."""

@@ -2,6 +2,13 @@
 the requests arriving in the measurement window, their TTFT, end-to-end time and
 TPOT, and the output tokens generated inside the window; then each class's numbers.
 Pure; picklable (a client process sends its `Observations` back to be merged).
+
+Where a TTFT goes (a diagnostic, not judged), for the requests that finished without
+being preempted: the dispatcher's queue (its ingest to its dispatch), the worker (it
+receiving the dispatch to the first token: the step in progress, the prefill step),
+and the messages (all the rest: the client's publish and JetStream, the dispatch's
+and the first token's way, the started record's ack). The real fleet's come from each
+request's `Usage` (`queue_ms`, `ttft_ms`); the simulator's from its own clock.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ class Observations:
     e2e_s: dict[str, list[float]] = field(default_factory=dict)
     tpot_s: dict[str, list[float]] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
+    # (ttft, queue, worker) per finished request never preempted (module docstring)
+    split_s: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
 
     def in_window(self, t_s: float) -> bool:
         return self.lo_s <= t_s < self.hi_s
@@ -46,6 +55,12 @@ class Observations:
             if num_tokens > 1:  # TPOT: the decode pace after the first token
                 self.tpot_s.setdefault(cls, []).append((e2e_s - ttft_s) / (num_tokens - 1))
 
+    def ttft_split(self, cls: str, arrival_s: float, ttft_s: float, queue_s: float,
+                   worker_s: float) -> None:
+        """Where one request's TTFT went: the messages are what queue and worker leave."""
+        if self.in_window(arrival_s):
+            self.split_s.setdefault(cls, []).append((ttft_s, queue_s, worker_s))
+
     def absorb(self, other: Observations) -> None:
         """Add another run's observations of the same window (a client process's)."""
         if (other.lo_s, other.hi_s) != (self.lo_s, self.hi_s):
@@ -58,6 +73,8 @@ class Observations:
                 mine.setdefault(cls, []).extend(xs)
         for cls, x in other.tokens.items():
             self.tokens[cls] = self.tokens.get(cls, 0.0) + x
+        for cls, parts in other.split_s.items():
+            self.split_s.setdefault(cls, []).extend(parts)
 
     def generated(self, cls: str, start_s: float, end_s: float, num_tokens: float) -> None:
         """`num_tokens` generated evenly over [start_s, end_s] (one instant for a real
@@ -79,11 +96,25 @@ def _ms(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) else round(x * 1000, 3)
 
 
+SPLIT_PARTS = ("queue", "worker", "messages")  # where a TTFT goes (module docstring)
+
+
+def split_metrics(split_s: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """p50 and p99 (>= 200 requests, else None) of each part of the TTFT."""
+    parts = {"queue": [q for _, q, _ in split_s], "worker": [w for _, _, w in split_s],
+             "messages": [t - q - w for t, q, w in split_s]}
+    out: dict[str, Any] = {"n_split": len(split_s)}
+    for name, xs in parts.items():
+        out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = _ms(_median(xs)), _ms(p99(xs))
+    return out
+
+
 def metrics_of(arrived: int, ttft_s: list[float], e2e_s: list[float], tpot_s: list[float],
-               tokens: float, window_s: float) -> dict[str, Any]:
+               tokens: float, window_s: float,
+               split_s: list[tuple[float, float, float]] | None = None) -> dict[str, Any]:
     """One class's numbers for one run. p99 only from >= 200 TTFTs (bench.harness.p99),
     else None and the max stands in (render_fidelity.tail_label)."""
-    return {
+    return {**split_metrics(split_s or []),
         "n_arrived": arrived, "n_ttft": len(ttft_s), "n_e2e": len(e2e_s),
         "censored": arrived - len(ttft_s),
         "ttft_p50_ms": _ms(_median(ttft_s)), "ttft_p99_ms": _ms(p99(ttft_s)),
@@ -97,12 +128,14 @@ def class_metrics(obs: Observations, classes: list[str]) -> dict[str, dict[str, 
     """Every class's metrics, and the scenario's as a whole under "all"."""
     window_s = obs.hi_s - obs.lo_s
     out = {c: metrics_of(obs.arrived.get(c, 0), obs.ttft_s.get(c, []), obs.e2e_s.get(c, []),
-                         obs.tpot_s.get(c, []), obs.tokens.get(c, 0.0), window_s)
+                         obs.tpot_s.get(c, []), obs.tokens.get(c, 0.0), window_s,
+                         obs.split_s.get(c, []))
            for c in classes}
 
-    def merged(d: dict[str, list[float]]) -> list[float]:
+    def merged(d: dict[str, list[Any]]) -> list[Any]:
         return [x for c in classes for x in d.get(c, [])]
 
     out["all"] = metrics_of(sum(obs.arrived.values()), merged(obs.ttft_s), merged(obs.e2e_s),
-                            merged(obs.tpot_s), sum(obs.tokens.values()), window_s)
+                            merged(obs.tpot_s), sum(obs.tokens.values()), window_s,
+                            merged(obs.split_s))
     return out

@@ -10,6 +10,7 @@ tables. bench/fidelity.py writes its results markdown with the same functions, s
 results file and BENCHMARKS.md cannot disagree.
 
     <!-- generated: fidelity STEM -->        the table, per scenario x class x metric
+    <!-- generated: fidelity-split STEM -->  where the TTFT goes, sim vs real (diagnostic)
     <!-- row:fidelity -->                     the Summary row (bench/results/fidelity.json)
 """
 
@@ -203,6 +204,49 @@ def comparison_table(data: dict, real: str = REAL) -> str:
     return table_text if real != REAL else setup_line(data) + "\n\n" + table_text
 
 
+SPLIT_LABELS = {  # bench/fidelity_obs.py's parts of a TTFT
+    "queue": "dispatcher queue (ingest to dispatch)",
+    "worker": "worker (dispatch received to first token)",
+    "messages": "messages (the rest: publish, JetStream, dispatch, ack, token)",
+}
+
+
+def split_table(data: dict, real: str = REAL) -> str:
+    """Where the TTFT goes, per scenario, class and part: sim and real p50 and p99,
+    each the median over the repetitions compared (requests finished unpreempted)."""
+    runs, rows = data.get("runs", []), []
+    for name, scen in data.get("scenarios", {}).items():
+        ps = pairs(runs, name, real)
+        for cls in [*scen.get("classes", []), ALL]:
+            both = [(sm[cls], rm[cls]) for sm, rm in ps
+                    if sm.get(cls, {}).get("n_split") and rm.get(cls, {}).get("n_split")]
+            if not both:
+                continue
+            n = min(m["n_split"] for pair in both for m in pair)
+            for part, label in SPLIT_LABELS.items():
+                cells = [fmt_value(summarize(m.get(f"{part}_{q}_ms") for m in side))
+                         for q in ("p50", "p99") for side in ([s for s, _ in both],
+                                                              [r for _, r in both])]
+                rows.append([name, cls, label, *cells, f"{n:,}"])
+    if not rows:
+        return ""
+    header = ["scenario", "class", "part of the TTFT", "sim p50, ms", f"{real} p50, ms",
+              "sim p99, ms", f"{real} p99, ms", "requests per run, min"]
+    return table(header, "lllrrrrr", rows)
+
+
+SPLIT_TEXT = """\
+Where each TTFT goes, for the requests that finished without being preempted (a
+diagnostic, not judged; bench/fidelity_obs.py): the dispatcher's queue, the worker
+(from receiving the dispatch to the first token: the step in progress, the prefill
+step) and the messages (the TTFT less both: the client's publish and JetStream, the
+dispatch's and the first token's way, the worker's wait for the started record's
+ack). The real fleet's parts come from each request's `Usage` (`queue_ms` in whole
+ms, `ttft_ms`), the simulator's from its clock, where the messages are `network_ms`
+by construction. A p99 needs ≥ 200 requests per run ("n/a" otherwise); parts' p99s
+do not add up to the TTFT's."""
+
+
 def _cores(cpu: dict[str, float]) -> str:
     workers = sum(v for k, v in cpu.items() if k.startswith("worker"))
     # The load generator: this process and its client processes ("clients"; older
@@ -276,6 +320,9 @@ flood's token chunks)."""
 def report(data: dict) -> str:
     """The results markdown's body (bench/fidelity.py)."""
     parts = ["## Sim vs real", "", comparison_table(data)]
+    split = split_table(data)
+    if split:
+        parts += ["", "## Where the TTFT goes (diagnostic)", "", SPLIT_TEXT, "", split]
     if any(str(r.get("variant", "")).endswith(f":{REAL_SHARED}") for r in data.get("runs", [])):
         parts += ["", "## Sim vs real with one shared client (the earlier rig)", "",
                   SHARED_TEXT, "", comparison_table(data, REAL_SHARED)]
@@ -292,6 +339,15 @@ def fidelity_table(res: Results, args: list[str], _old: str) -> str:
     if not data.get("runs"):
         raise RenderError(f"{args[0]}.json has no runs")
     return sources_line(res, args) + "\n\n" + comparison_table(data)
+
+
+def fidelity_split(res: Results, args: list[str], _old: str) -> str:
+    """`<!-- generated: fidelity-split STEM -->`: where the TTFT goes, sim vs real."""
+    data = one_results_file(res, "fidelity-split", args)
+    split = split_table(data)
+    if not split:
+        raise RenderError(f"{args[0]}.json has no TTFT split (before 2026-11-29's runs)")
+    return sources_line(res, args) + "\n\n" + SPLIT_TEXT + "\n\n" + split
 
 
 def headline(rows: list[Row]) -> tuple[int, int, list[Row]]:
@@ -321,5 +377,5 @@ def summary_fidelity(res: Results) -> list[str]:
             row_source(res, STEM)]
 
 
-KINDS = {"fidelity": fidelity_table}
+KINDS = {"fidelity": fidelity_table, "fidelity-split": fidelity_split}
 SUMMARY_ROWS = {"fidelity": summary_fidelity}

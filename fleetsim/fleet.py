@@ -21,7 +21,6 @@ the glue the real processes provide over NATS, written as events:
   (PROMPT_TOO_LONG) and an output is cut there;
 - heartbeats (every worker's in one event: they beat in step) and housekeeping go to
   the core as the shell sends them, so its liveness rules see a live fleet.
-
 Not modelled: the client and JetStream legs (ingest is instantaneous), faults, the
 edge's rate limits, the dispatcher's CPU (decisions take no time: `fleetsim.core_clock`).
 """
@@ -336,6 +335,7 @@ class Fleet:
         q = d.request
         r: Req = q.payload
         r.started = False
+        r.accepted_ms = self.now_ms
         a = r.arrival
         room = self.max_seq_len - a.prompt_tokens
         if room <= 0:
@@ -456,6 +456,7 @@ class Fleet:
                 r.started = True
                 if r.first_token_ms is None:
                     r.first_token_ms = self.now_ms
+                    r.worker_ttft_ms = self.now_ms - r.accepted_ms
                     self.sink.on_first_token(r.arrival.tenant, self.now_ms / 1000,
                                              (self.now_ms - r.arrival.t_s * 1000) / 1000)
                 self._send(self._on_started, (w, seq.request_id))
@@ -492,7 +493,7 @@ class Fleet:
         e2e_s = (self.now_ms - a.t_s * 1000) / 1000
         ttft_s = ((r.first_token_ms or self.now_ms) - a.t_s * 1000) / 1000
         self.sink.on_finished(a.tenant, self.now_ms / 1000, e2e_s, ttft_s,
-                              seq.num_output_tokens, r.preemptions)
+                              seq.num_output_tokens, r.preemptions, r.worker_ttft_ms / 1000)
         usage = ActualUsage(prompt_tokens=a.prompt_tokens,
                             completion_tokens=seq.num_output_tokens - r.num_generated,
                             kv_token_seconds=seq.kv_token_seconds, e2e_ms=e2e_s * 1000)

@@ -126,7 +126,7 @@ class Recorder:
             self.flush()
 
     def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
-                    output_tokens: int, preemptions: int) -> None:
+                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0) -> None:
         self._fin.extend((tenant, t_s, e2e_s, ttft_s, output_tokens, preemptions))
         if len(self._fin) >= 6 * self.flush_every:
             self.flush()

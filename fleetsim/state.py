@@ -87,11 +87,16 @@ class Req:
     # those after `tok_out`, spread over [tok_ms, then].
     tok_ms: float
     tok_out: int
+    # When a worker received this attempt's dispatch, and the first token's time from
+    # its attempt's receipt (the worker-side TTFT, as the real worker's Usage.ttft_ms).
+    accepted_ms: float
+    worker_ttft_ms: float
 
     def __init__(self, arrival: Arrival, tenant: str) -> None:
         self.arrival, self.tenant = arrival, tenant
         self.num_generated, self.first_token_ms, self.preemptions = 0, None, 0
         self.started, self.tok_ms, self.tok_out = False, 0.0, 0
+        self.accepted_ms, self.worker_ttft_ms = 0.0, 0.0
 
 
 @dataclass(eq=False, slots=True, kw_only=True, init=False)

@@ -65,6 +65,11 @@ async def test_each_class_is_its_own_client_process_and_every_request_is_timed(
         assert all(0 < t < 5 for t in obs.ttft_s[cls])
         assert 0 < obs.tokens[cls] <= 8 * n  # tokens generated inside the window
         assert len(obs.tpot_s[cls]) == n  # every stream read to its end (8 tokens)
+        # Where each TTFT went, from its Usage (none is preempted here): the worker's
+        # part and the queue's are inside the client's TTFT.
+        assert len(obs.split_s[cls]) == n
+        for ttft, queue, worker in obs.split_s[cls]:
+            assert 0 <= queue < ttft and 0 < worker < ttft and queue + worker < ttft
     cpu = diag["cpu_cores"]
     if clients == PER_CLASS:
         assert {"client:noisy", "client:quiet"} <= set(cpu)

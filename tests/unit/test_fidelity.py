@@ -20,23 +20,26 @@ from bench.fidelity import (
     sim_idle_ttft_ms,
     variants_of,
 )
-from bench.fidelity_load import prompt_of
-from bench.fidelity_obs import Observations, class_metrics, metrics_of
+from bench.fidelity_load import Live, LoadGen, prompt_of
+from bench.fidelity_obs import Observations, class_metrics, metrics_of, split_metrics
 from bench.fidelity_real import cpu_usage, tenants_doc
 from bench.harness import summarize
-from bench.render_common import Results
+from bench.render_common import RenderError, Results
 from bench.render_fidelity import (
     compare,
+    fidelity_split,
     fidelity_table,
     headline,
     rel_err,
     report,
+    split_table,
     summary_fidelity,
     tail_label,
     verdict,
 )
-from fairlane.protocol import InferenceRequest
+from fairlane.protocol import InferenceRequest, Usage
 from fairlane.validation import estimate_prompt_tokens
+from fleetsim.records import Arrival
 
 pytestmark = pytest.mark.unit
 
@@ -117,6 +120,56 @@ def test_a_client_process_observations_add_up_to_one_run():
     assert merged.tokens == pytest.approx(whole.tokens)
     with pytest.raises(ValueError):
         merged.absorb(Observations(0.0, 70.0))
+
+
+def test_a_ttft_splits_into_queue_worker_and_the_messages_left_over():
+    obs = Observations(10.0, 20.0)
+    obs.ttft_split("a", 12.0, 0.040, 0.002, 0.030)
+    obs.ttft_split("a", 5.0, 9.0, 0.0, 0.0)  # arrived in the warm-up: not counted
+    other = Observations(10.0, 20.0)
+    other.ttft_split("a", 15.0, 0.050, 0.0, 0.036)
+    obs.absorb(other)
+    m = split_metrics(obs.split_s["a"])
+    assert m["n_split"] == 2 and m["queue_p50_ms"] == pytest.approx(1.0)
+    assert m["worker_p50_ms"] == pytest.approx(33.0)
+    assert m["messages_p50_ms"] == pytest.approx(11.0)  # (8 + 14) / 2
+    assert m["messages_p99_ms"] is None  # < 200 requests: no p99
+    many = split_metrics([(0.03, 0.0, 0.02)] * 250)
+    assert many["messages_p99_ms"] == pytest.approx(10.0)
+    assert class_metrics(obs, ["a"])["all"]["n_split"] == 2
+
+
+def test_the_real_split_comes_from_usage_of_unpreempted_requests_only():
+    obs = Observations(0.0, 10.0)
+    gen = LoadGen(client=None, obs=obs)
+
+    def live(t_s: float, attempt: int) -> Live:
+        lv = Live("q", "t", "paid", Arrival(t_s, 0, 8, 8, 8), t_sub=100.0 + t_s,
+                  t_first=100.0 + t_s + 0.030, t_done=100.0 + t_s + 0.2, num_tokens=8)
+        lv.usage = Usage(request_id="r", tenant="t", pool="p", tier="paid", queue_ms=3,
+                         ttft_ms=20.0, attempt=attempt)
+        return lv
+
+    gen.lives = [live(1.0, 0), live(2.0, 1)]  # the second was preempted: its usage is
+    gen.report()  # its continuation's, not its first token's
+    assert obs.split_s == {"q": [(pytest.approx(0.030), 0.003, 0.020)]}
+    assert len(obs.ttft_s["q"]) == 2
+
+
+def test_in_the_simulator_the_messages_are_network_ms():
+    """Idle probes: no queue, and the one message on the way is network_ms."""
+    from bench.fidelity import run_sim
+    args = parse_args(["--quick"])
+    wl, _ = load_scenario(SCENARIOS["light"], 2, 0)
+    probes = idle_probes(4)
+    obs = Observations(0.0, math.inf)
+    run_sim(wl, probes, obs, fleet_settings(args, 3.0), probes[-1].t_s + 5.0)
+    (split,) = obs.split_s.values()
+    assert len(split) == 4
+    for ttft, queue, worker in split:
+        assert queue == pytest.approx(0.0, abs=1e-9)
+        assert ttft - queue - worker == pytest.approx(0.003)
+        assert worker > 0.005  # the prefill step, at least
 
 
 def test_variants_are_sim_and_real_and_optionally_the_shared_client_rig():
@@ -256,6 +309,29 @@ def test_fidelity_table_and_summary_row_from_a_results_file(tmp_path):
     assert row[3] == "[fidelity](res/fidelity.md) (abc1234, 2030-01-02)"
     assert "## Runs" in report(_doc()["data"])
     assert "shared client" not in report(_doc()["data"])
+
+
+def test_the_ttft_split_table_compares_each_part_and_is_absent_without_data(tmp_path):
+    doc = _doc()
+    (tmp_path / "fidelity.json").write_text(json.dumps(doc))
+    res = Results(tmp_path, "res")
+    with pytest.raises(RenderError, match="no TTFT split"):
+        fidelity_split(res, ["fidelity"], "")
+    assert "Where the TTFT goes" not in report(doc["data"])
+    parts = {"sim": (0.0, 20.0, 5.0), "real": (1.0, 22.0, 9.0)}
+    for r in doc["data"]["runs"]:
+        side = r["variant"].split(":")[1]
+        for m in r["metrics"].get("classes", {}).values():
+            q, w, msg = parts[side]
+            m.update({"n_split": 250, "queue_p50_ms": q, "queue_p99_ms": q + 1,
+                      "worker_p50_ms": w, "worker_p99_ms": w + 10,
+                      "messages_p50_ms": msg, "messages_p99_ms": msg * 3})
+    (tmp_path / "fidelity.json").write_text(json.dumps(doc))
+    out = fidelity_split(Results(tmp_path, "res"), ["fidelity"], "")
+    assert "| steady | a | messages (the rest: publish, JetStream, dispatch, ack, token) | " \
+        "5.00 | 9.00 | 15.0 | 27.0 | 250 |" in out
+    assert "| steady | all | worker (dispatch received to first token) | 20.0 | 22.0 |" in out
+    assert split_table(doc["data"]) in report(doc["data"])
 
 
 def test_the_shared_client_rig_is_reported_beside_not_instead_of_the_real_fleet():
