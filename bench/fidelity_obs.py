@@ -96,9 +96,6 @@ def _ms(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) else round(x * 1000, 3)
 
 
-SPLIT_PARTS = ("queue", "worker", "messages")  # where a TTFT goes (module docstring)
-
-
 def split_metrics(split_s: list[tuple[float, float, float]]) -> dict[str, Any]:
     """p50 and p99 (>= 200 requests, else None) of each part of the TTFT."""
     parts = {"queue": [q for _, q, _ in split_s], "worker": [w for _, _, w in split_s],

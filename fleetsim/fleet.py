@@ -21,6 +21,7 @@ the glue the real processes provide over NATS, written as events:
   (PROMPT_TOO_LONG) and an output is cut there;
 - heartbeats (every worker's in one event: they beat in step) and housekeeping go to
   the core as the shell sends them, so its liveness rules see a live fleet.
+
 Not modelled: the client and JetStream legs (ingest is instantaneous), faults, the
 edge's rate limits, the dispatcher's CPU (decisions take no time: `fleetsim.core_clock`).
 """
@@ -334,8 +335,7 @@ class Fleet:
     def _accept(self, w: Worker, d: Dispatch) -> None:
         q = d.request
         r: Req = q.payload
-        r.started = False
-        r.accepted_ms = self.now_ms
+        r.started, r.accepted_ms = False, self.now_ms
         a = r.arrival
         room = self.max_seq_len - a.prompt_tokens
         if room <= 0:
