@@ -35,7 +35,7 @@ from fairlane.protocol import (
     decode_request,
     encode,
 )
-from fairlane.runtime import now_ms
+from fairlane.runtime import cancel_and_wait, now_ms
 from fairlane.streams import ensure_streams
 from fairlane.subjects import Subjects
 
@@ -115,11 +115,10 @@ class FakeFleet:
         return self
 
     async def stop(self) -> None:
-        for t in [self._loop_task, *self._tasks]:
-            if t is not None:
-                t.cancel()
-        await asyncio.gather(*(t for t in [self._loop_task, *self._tasks] if t),
-                             return_exceptions=True)
+        # cancel_and_wait, not one cancel: on Python 3.11 the fetch's wait_for can
+        # swallow a cancel, and the loop would run on past a plain cancel-then-gather.
+        for t in [self._loop_task, *list(self._tasks)]:
+            await cancel_and_wait(t)
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
