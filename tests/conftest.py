@@ -40,7 +40,7 @@ async def nc(nats_server):
     yield conn
     # close(), not drain(): a drain waits for a broker round trip per subscription and
     # for every queued message to be handled (up to nats-py's 30 s drain_timeout, then
-    # a flush). Twice under CI load a streamer test's teardown hung here past its 60 s
+    # a flush). Twice in full test runs a streamer test's teardown hung here past its 60 s
     # limit, a DrainTimeoutError in its log. A test awaits what it needs before it
     # ends; its teardown owes the broker nothing.
     await conn.close()
