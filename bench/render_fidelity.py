@@ -223,10 +223,10 @@ def split_table(data: dict, real: str = REAL) -> str:
             if not both:
                 continue
             n = min(m["n_split"] for pair in both for m in pair)
+            sims, reals = [s for s, _ in both], [r for _, r in both]
             for part, label in SPLIT_LABELS.items():
                 cells = [fmt_value(summarize(m.get(f"{part}_{q}_ms") for m in side))
-                         for q in ("p50", "p99") for side in ([s for s, _ in both],
-                                                              [r for _, r in both])]
+                         for q in ("p50", "p99") for side in (sims, reals)]
                 rows.append([name, cls, label, *cells, f"{n:,}"])
     if not rows:
         return ""
@@ -346,7 +346,7 @@ def fidelity_split(res: Results, args: list[str], _old: str) -> str:
     data = one_results_file(res, "fidelity-split", args)
     split = split_table(data)
     if not split:
-        raise RenderError(f"{args[0]}.json has no TTFT split (before 2026-11-29's runs)")
+        raise RenderError(f"{args[0]}.json has no TTFT split (runs before 7c19e47 kept none)")
     return sources_line(res, args) + "\n\n" + SPLIT_TEXT + "\n\n" + split
 
 

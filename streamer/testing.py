@@ -117,7 +117,10 @@ class FakeFleet:
     async def stop(self) -> None:
         # cancel_and_wait, not one cancel: on Python 3.11 the fetch's wait_for can
         # swallow a cancel, and the loop would run on past a plain cancel-then-gather.
-        for t in [self._loop_task, *list(self._tasks)]:
+        tasks = [t for t in [self._loop_task, *self._tasks] if t is not None]
+        for t in tasks:
+            t.cancel()  # all at once, as before; then each waited for (re-cancelled)
+        for t in tasks:
             await cancel_and_wait(t)
         for s in self._subs:
             with contextlib.suppress(Exception):
