@@ -48,10 +48,13 @@ worker and the load generator ~0.05 (it reads every token chunk); from 6 workers
 with the machine shared with other jobs, the light scenario's burst left the client
 seconds behind (generator lag up to 2.5 s, which a client-side TTFT includes), at 12
 workers the steady TTFT p99 doubled, at 16 the real fleet fell behind its arrivals.
+`--workers 2,4` runs every scenario at each size (`steady@2w`, ...), all interleaved in
+one run, one calibrated `network_ms` for all: how the error moves with the load the
+real fleet puts on this machine (bench/results/fidelity_workers.md).
 
-Writes bench/results/fidelity.{md,json} (`--out-dir`). Runtime on the 2-core dev VM:
-full (5 reps) ~14 min, ~26 min with `real-shared`; `--quick` (1 rep, 30 s scenarios)
-~2 min.
+Writes bench/results/fidelity.{md,json} (`--out-dir`, `--stem`). Runtime on the 2-core
+dev VM: full (5 reps) ~14 min, ~26 min with `real-shared` or with `--workers 2,4`;
+`--quick` (1 rep, 30 s scenarios) ~2 min.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class Scenario:
     duration_s: float  # arrivals stop here: the window is [warmup_s, duration_s)
     drain_s: float  # after the last arrival, how long the window's requests may finish
     scaled_classes: tuple[str, ...]  # classes whose load scales with workers / 2
+    workers: int = 0  # the fleet's size for this run (scenarios_of sets it from --workers)
 
 
 SCENARIOS = {
@@ -238,8 +242,9 @@ HEARTBEAT_MS = 1000  # the worker's default, and FleetSettings'
 VARIANTS = (SIM, REAL, REAL_SHARED)  # --variants: the first two unless asked
 
 
-def fleet_settings(args: argparse.Namespace, network_ms: float) -> FleetSettings:
-    return FleetSettings(num_workers=args.workers, step_model=args.step_model,
+def fleet_settings(args: argparse.Namespace, network_ms: float,
+                   workers: int | None = None) -> FleetSettings:
+    return FleetSettings(num_workers=workers or max(args.workers), step_model=args.step_model,
                          max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
                          network_ms=network_ms, heartbeat_ms=HEARTBEAT_MS,
                          hint_output_tokens=True)
@@ -251,6 +256,8 @@ def worker_spec(args: argparse.Namespace) -> WorkerSpec:
 
 
 def scenarios_of(args: argparse.Namespace) -> dict[str, Scenario]:
+    """Each scenario at each fleet size of --workers; with one size the scenarios keep
+    their names, with several each is `NAME@Kw` (e.g. `light@2w`)."""
     out = {}
     for name in args.scenarios.split(","):
         if name not in SCENARIOS:
@@ -259,7 +266,9 @@ def scenarios_of(args: argparse.Namespace) -> dict[str, Scenario]:
         duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else s.duration_s)
         if duration_s <= s.warmup_s:
             raise SystemExit(f"--duration-s must exceed {name}'s warm-up ({s.warmup_s:g} s)")
-        out[name] = replace(s, duration_s=duration_s)
+        for workers in args.workers:
+            key = name if len(args.workers) == 1 else f"{name}@{workers}w"
+            out[key] = replace(s, name=key, duration_s=duration_s, workers=workers)
     return out
 
 
@@ -276,21 +285,24 @@ class Bench:
     notes: list[str] = field(default_factory=list)
     network_ms: float = 0.0
 
-    def real_kwargs(self, prefix: str) -> dict[str, Any]:
-        return {"nats_url": self.nats_url, "prefix": prefix, "workers": self.args.workers,
+    def real_kwargs(self, prefix: str, workers: int) -> dict[str, Any]:
+        return {"nats_url": self.nats_url, "prefix": prefix, "workers": workers,
                 "spec": worker_spec(self.args), "log_dir": self.log_root / prefix,
                 "notes": self.notes}
 
     async def calibrate(self) -> dict[str, Any]:
-        """network_ms: the flag's, or the idle real TTFT p50 minus the simulator's."""
+        """network_ms: the flag's, or the idle real TTFT p50 minus the simulator's. One
+        value for every fleet size of --workers, measured on the largest: sequential
+        probes meet an idle fleet, whatever its size."""
         if self.args.network_ms is not None:
             self.network_ms = self.args.network_ms
             return {"value": self.network_ms, "source": "flag"}
-        wl, doc = load_scenario(next(iter(self.scenarios.values())), self.args.workers, 0)
+        workers = max(self.args.workers)
+        wl, doc = load_scenario(next(iter(self.scenarios.values())), workers, 0)
         probes = idle_probes(self.args.idle_probes)
-        sim = sim_idle_ttft_ms(wl, probes, fleet_settings(self.args, 0.0))
+        sim = sim_idle_ttft_ms(wl, probes, fleet_settings(self.args, 0.0, workers))
         real = await idle_ttft_ms(wl, doc, probes,
-                                  **self.real_kwargs(f"fi{self.run_id}cal"))
+                                  **self.real_kwargs(f"fi{self.run_id}cal", workers))
         self.network_ms = network_ms_from(real, sim)
         return {"value": self.network_ms, "source": "calibrated", "n": len(real),
                 "real_idle_ttft_p50_ms": round(statistics.median(real), 2),
@@ -301,19 +313,20 @@ class Bench:
         """One (scenario:variant, repetition): seed = the repetition."""
         scen_name, _, variant = name.partition(":")
         s = self.scenarios[scen_name]
-        wl, doc = load_scenario(s, self.args.workers, rep)
+        wl, doc = load_scenario(s, s.workers, rep)
         arrivals = list(wl.arrivals())
         obs = Observations(s.warmup_s, s.duration_s)
         run_s = s.duration_s + s.drain_s
         if variant == SIM:
-            diag = run_sim(wl, arrivals, obs, fleet_settings(self.args, self.network_ms), run_s)
+            diag = run_sim(wl, arrivals, obs,
+                           fleet_settings(self.args, self.network_ms, s.workers), run_s)
         else:
-            prefix = f"fi{self.run_id}{scen_name[:2]}{rep}"
+            prefix = f"fi{self.run_id}{scen_name[:2]}{s.workers}w{rep}"
             diag = await run_real(wl, doc, arrivals, class_of_tenants(wl), obs, run_s=run_s,
                                   nats_pid=self.nats_pid,
                                   clients=SHARED if variant == REAL_SHARED else PER_CLASS,
                                   **self.real_kwargs(prefix + ("s" if variant == REAL_SHARED
-                                                               else "")))
+                                                               else ""), s.workers))
         return {"classes": class_metrics(obs, [c.name for c in wl.classes]), "diag": diag,
                 "num_arrivals": len(arrivals)}
 
@@ -332,17 +345,18 @@ async def amain(args: argparse.Namespace) -> int:
             print(f"network_ms = {bench.network_ms} ({network['source']})", file=sys.stderr)
             names = [f"{s}:{v}" for s in scenarios for v in variants_of(args)]
             records = await run_interleaved(names, args.reps, bench.run_one)
-    data = {"args": vars(args), "workers": args.workers, "max_num_seqs": args.max_num_seqs,
+    workers: int | list[int] = args.workers[0] if len(args.workers) == 1 else args.workers
+    data = {"args": vars(args), "workers": workers, "max_num_seqs": args.max_num_seqs,
             "prefetch_seqs": args.prefetch_seqs, "step_model": args.step_model,
             "network_ms": network, "wall_s": round(time.monotonic() - t0, 1),
             "scenarios": {name: {"workload": s.workload, "warmup_s": s.warmup_s,
                                  "duration_s": s.duration_s, "drain_s": s.drain_s,
-                                 "classes": _class_names(s, args.workers)}
+                                 "workers": s.workers, "classes": _class_names(s)}
                           for name, s in scenarios.items()},
             "notes": bench.notes, "runs": [r.__dict__ for r in records]}
     body = report(data)
     print(body)
-    stem = "fidelity.quick" if args.quick else "fidelity"
+    stem = args.stem or ("fidelity.quick" if args.quick else "fidelity")
     md, js = write_results(Path(args.out_dir) / f"{stem}.md", TITLE, body, data, meta,
                            HOW_TO_READ)
     print(f"(written to {md} and {js})", file=sys.stderr)
@@ -359,8 +373,8 @@ def variants_of(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _class_names(s: Scenario, workers: int) -> list[str]:
-    return [c.name for c in load_scenario(s, workers, 0)[0].classes]
+def _class_names(s: Scenario) -> list[str]:
+    return [c.name for c in load_scenario(s, s.workers, 0)[0].classes]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -369,8 +383,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"1 rep, {QUICK_DURATION_S:g} s scenarios: a smoke run (tails are max=)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 1)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="of: " + ", ".join(SCENARIOS))
-    ap.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
-                    help="workers of 32 slots (the workloads' load scales with it)")
+    ap.add_argument("--workers", default=str(DEFAULT_WORKERS),
+                    help="workers of 32 slots (the workloads' load scales with it); several, "
+                         "comma-separated (2,4): every scenario at each size, interleaved")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--prefetch-seqs", type=int, default=4)
     ap.add_argument("--step-model", default="default")
@@ -385,6 +400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"of: {', '.join(VARIANTS)}; {REAL_SHARED} is the real fleet with one "
                          "client for every class (the earlier rig), for comparison")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--stem", default="",
+                    help="results file name, without .md/.json (default fidelity; quick "
+                         "fidelity.quick)")
     ap.add_argument("--log-dir", default="", help="keep process logs here (default: temp)")
     args = ap.parse_args(argv)
     try:
@@ -393,8 +411,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(exc))
     args.reps = args.reps or (1 if args.quick else 5)
     args.idle_probes = args.idle_probes or (30 if args.quick else 60)
-    if args.workers < 1:
-        ap.error("--workers must be >= 1")
+    try:
+        args.workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers: comma-separated integers (got {args.workers!r})")
+    if not args.workers or min(args.workers) < 1 or len(set(args.workers)) != len(args.workers):
+        ap.error("--workers: each >= 1, each once")
     return args
 
 

@@ -175,6 +175,15 @@ def fmt_verdict(row: Row) -> str:
     return {"met": f"within {TOLERANCE:.0%}", "missed": "**missed**"}.get(v, v)
 
 
+def fleet_sizes(data: dict) -> str:
+    """"4", or "2 and 4" for a run over several fleet sizes (`--workers 2,4`)."""
+    workers = data.get("workers")
+    if isinstance(workers, list):
+        return f"{', '.join(map(str, workers[:-1]))} and {workers[-1]}" \
+            if len(workers) > 1 else str(workers[0])
+    return str(workers)
+
+
 def setup_line(data: dict) -> str:
     """The fleet, the simulator's one free parameter and how it was chosen, the reps."""
     net = data.get("network_ms", {})
@@ -187,7 +196,7 @@ def setup_line(data: dict) -> str:
     failed = sum(1 for r in runs if r.get("error"))
     windows = "; ".join(f"{name} [{s['warmup_s']:g}, {s['duration_s']:g}) s"
                         for name, s in data.get("scenarios", {}).items())
-    return (f"{data.get('workers')} workers × {data.get('max_num_seqs')} slots, prefetch "
+    return (f"{fleet_sizes(data)} workers × {data.get('max_num_seqs')} slots, prefetch "
             f"{data.get('prefetch_seqs')}, step model `{data.get('step_model')}`; simulator "
             f"`network_ms` {fmt_sig(net.get('value'))} ({how}); {compared} of {reps} "
             f"repetitions compared ({failed} runs failed), sim and real interleaved; values are medians over repetitions, the error is "
@@ -370,7 +379,7 @@ def summary_fidelity(res: Results) -> list[str]:
         f"; missed: {worst}" + (f" (+{len(missed) - 4} more)" if len(missed) > 4 else "")
         if missed else "")
     scen = " + ".join(data.get("scenarios", {}))
-    return [f"§9 simulator fidelity: fleetsim vs the real fleet ({data.get('workers')} workers "
+    return [f"§9 simulator fidelity: fleetsim vs the real fleet ({fleet_sizes(data)} workers "
             f"× {data.get('max_num_seqs')} slots, real NATS, sim workers), same arrivals "
             f"({scen}): TTFT p50/p99, output tokens/s, e2e p50 per class",
             measured, f"≤ {TOLERANCE:.0%} each" + (" — missed" if missed else " — met"),

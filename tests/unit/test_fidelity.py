@@ -17,6 +17,7 @@ from bench.fidelity import (
     network_ms_from,
     parse_args,
     scaled_doc,
+    scenarios_of,
     sim_idle_ttft_ms,
     variants_of,
 )
@@ -29,6 +30,7 @@ from bench.render_fidelity import (
     compare,
     fidelity_split,
     fidelity_table,
+    fleet_sizes,
     headline,
     rel_err,
     report,
@@ -179,6 +181,25 @@ def test_variants_are_sim_and_real_and_optionally_the_shared_client_rig():
     for bad in ("sim", "sim,real,real", "sim,real,fast"):
         with pytest.raises(SystemExit):
             parse_args(["--variants", bad])
+
+
+def test_several_fleet_sizes_run_every_scenario_at_each_size():
+    one = scenarios_of(parse_args(["--scenarios", "light"]))
+    assert list(one) == ["light"] and one["light"].workers == 4  # the default keeps names
+    both = scenarios_of(parse_args(["--workers", "2,4", "--quick"]))
+    assert {k: s.workers for k, s in both.items()} == {
+        "steady@2w": 2, "steady@4w": 4, "light@2w": 2, "light@4w": 4}
+    assert all(s.name == k and s.duration_s == 30.0 for k, s in both.items())
+    # The simulator gets the scenario's size; the calibration the largest.
+    args = parse_args(["--workers", "2,4"])
+    assert fleet_settings(args, 1.0, both["light@2w"].workers).num_workers == 2
+    assert fleet_settings(args, 1.0).num_workers == 4
+    for bad in ("0", "2,2", "two", ""):
+        with pytest.raises(SystemExit):
+            parse_args(["--workers", bad])
+    assert fleet_sizes({"workers": [2, 4]}) == "2 and 4"
+    assert fleet_sizes({"workers": [1, 2, 4]}) == "1, 2 and 4"
+    assert fleet_sizes({"workers": 4}) == "4"
 
 
 def test_network_ms_is_the_idle_p50_gap_and_never_negative():
