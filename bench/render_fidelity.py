@@ -386,5 +386,67 @@ def summary_fidelity(res: Results) -> list[str]:
             row_source(res, STEM)]
 
 
-KINDS = {"fidelity": fidelity_table, "fidelity-split": fidelity_split}
-SUMMARY_ROWS = {"fidelity": summary_fidelity}
+WORKERS_STEM = "fidelity_workers"
+
+
+def by_fleet_size(data: dict) -> dict[int, list[Row]]:
+    """A `--workers 2,4` run's rows per fleet size (each scenario records its own)."""
+    runs = data.get("runs", [])
+    out: dict[int, list[Row]] = {}
+    for name, scen in data.get("scenarios", {}).items():
+        size = scen.get("workers", data.get("workers"))
+        out.setdefault(size, []).extend(compare(runs, name, scen.get("classes", [])))
+    return dict(sorted(out.items()))
+
+
+def summary_fidelity_workers(res: Results) -> list[str]:
+    """The same scenarios at several fleet sizes in one run: the verdict per size."""
+    data = res.load(WORKERS_STEM).get("data", {})
+    sizes = by_fleet_size(data)
+    if len(sizes) < 2:
+        raise RenderError(f"{WORKERS_STEM}.json: needs a run over several fleet sizes "
+                          "(--workers 2,4)")
+    parts = []
+    for size, rows in sizes.items():
+        met, n, missed = headline(rows)
+        worst = ", ".join(f"{r.scenario.split('@')[0]}/{r.cls} {r.short} "
+                          f"{fmt_pct(r.err.median)}" for r in missed[:3])
+        parts.append(f"{size} workers: **{met} of {n}**" + (f" (missed: {worst})" if worst
+                                                             else ""))
+    return [f"§9 simulator fidelity against the load on this machine: the same scenarios at "
+            f"{fleet_sizes(data)} workers, interleaved in one run",
+            "; ".join(parts), f"≤ {TOLERANCE:.0%} each (a diagnostic of the rig: the "
+            "headline is the row above)", row_source(res, WORKERS_STEM)]
+
+
+def sizes_table(data: dict) -> str:
+    """Each judged figure's error at each fleet size of a `--workers 2,4` run, side by
+    side: scenario, class, metric, then per size the error (median, range) and verdict."""
+    sizes = by_fleet_size(data)
+    if len(sizes) < 2:
+        raise RenderError("needs a run over several fleet sizes (--workers 2,4)")
+    keyed: dict[tuple[str, str, str], dict[int, Row]] = {}
+    for size, rows in sizes.items():
+        for r in rows:
+            if r.metric.judged:
+                keyed.setdefault((r.scenario.split("@")[0], r.cls, r.label), {})[size] = r
+    out = []
+    for (scen, cls, label), per in keyed.items():
+        cells = []
+        for size in sizes:
+            r = per.get(size)
+            cells.append("n/a" if r is None else f"{fmt_err(r.err)} {fmt_verdict(r)}")
+        out.append([scen, cls, label, *cells])
+    header = ["scenario", "class", "metric", *(f"error at {k} workers" for k in sizes)]
+    return table(header, "lll" + "r" * len(sizes), out)
+
+
+def fidelity_sizes(res: Results, args: list[str], _old: str) -> str:
+    """`<!-- generated: fidelity-sizes STEM -->`: the error per fleet size, side by side."""
+    data = one_results_file(res, "fidelity-sizes", args)
+    return "\n\n".join([sources_line(res, args), setup_line(data), sizes_table(data)])
+
+
+KINDS = {"fidelity": fidelity_table, "fidelity-split": fidelity_split,
+         "fidelity-sizes": fidelity_sizes}
+SUMMARY_ROWS = {"fidelity": summary_fidelity, "fidelity-workers": summary_fidelity_workers}

@@ -28,6 +28,7 @@ from bench.harness import summarize
 from bench.render_common import RenderError, Results
 from bench.render_fidelity import (
     compare,
+    fidelity_sizes,
     fidelity_split,
     fidelity_table,
     fleet_sizes,
@@ -36,6 +37,7 @@ from bench.render_fidelity import (
     report,
     split_table,
     summary_fidelity,
+    summary_fidelity_workers,
     tail_label,
     verdict,
 )
@@ -373,3 +375,33 @@ def test_the_shared_client_rig_is_reported_beside_not_instead_of_the_real_fleet(
     assert "## Sim vs real with one shared client" in text
     assert text.index("## Sim vs real\n") < text.index("shared client") < text.index("## Runs")
     assert "| steady | 0 | real-shared |" in text  # its runs in the Runs table
+
+
+def test_a_run_over_two_fleet_sizes_is_judged_per_size(tmp_path):
+    """`--workers 2,4`: the same scenario at each size, its figures side by side and
+    its Summary row counting each size on its own."""
+    doc = _doc()
+    runs = [r for r in doc["data"]["runs"] if r["rep"] < 2]
+    good = {"a": _m(40, 100, 1000, 300), "all": _m(40, 100, 1000, 300)}  # sim = real
+    big = [{**r, "variant": r["variant"].replace("steady", "steady@4w")} for r in runs]
+    small = [{**r, "variant": r["variant"].replace("steady", "steady@2w"),
+              "metrics": {"classes": good, "diag": {}}} for r in runs]
+    scen = doc["data"]["scenarios"]["steady"]
+    doc["data"].update(workers=[2, 4], runs=small + big, scenarios={
+        "steady@2w": {**scen, "workers": 2}, "steady@4w": {**scen, "workers": 4}})
+    (tmp_path / "fidelity_workers.json").write_text(json.dumps(doc))
+    res = Results(tmp_path, "res")
+    row = summary_fidelity_workers(res)
+    assert row[1] == ("2 workers: **8 of 8**; 4 workers: **6 of 8** (missed: steady/a TTFT "
+                      "p50 +15.0%, steady/all TTFT p50 +15.0%)")
+    out = fidelity_sizes(res, ["fidelity_workers"], "")
+    assert "2 and 4 workers × 32 slots" in out
+    assert ("| steady | a | TTFT p50, ms | +0.0% (+0.0 to +0.0) within 10% | +15.0% (+10.0 to "
+            "+20.0) **missed** |") in out
+    one = _doc()
+    (tmp_path / "fidelity_workers.json").write_text(json.dumps(one))
+    res = Results(tmp_path, "res")  # a Results reads each file once
+    with pytest.raises(RenderError, match="several fleet sizes"):
+        summary_fidelity_workers(res)
+    with pytest.raises(RenderError, match="several fleet sizes"):
+        fidelity_sizes(res, ["fidelity_workers"], "")
