@@ -36,7 +36,10 @@ class WorkerSettings(StreamSettings, kw_only=True):
     # Without any ack for this long past the lease, the dispatcher has surely handed
     # the work elsewhere: abort it silently and rejoin as a new incarnation.
     abandon_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 10_000  # unacked this long past the lease: abort work, rejoin
-    coalesce_ms: int = 5  # never hold a token longer than this before publishing
+    # At most one chunk per request per coalesce_ms: a token goes out at once unless
+    # its request sent one less than this ago (then it waits out the rest, with any
+    # that follow); never held longer. 0: every token at once.
+    coalesce_ms: int = 5
     pull_wait_ms: int = 1000  # long-poll budget offered to the dispatcher
     drain_timeout_s: float = 30.0  # on stop: how long running requests may finish
     max_model_len: int = 4096  # 0: unset (vLLM: the model's own; simulator: KV size)

@@ -7,6 +7,7 @@ and publishes what it builds. Times are monotonic seconds, passed in or read her
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -42,7 +43,12 @@ class InFlight:
     buf_text: list[str] = field(default_factory=list)
     buf_token_ids: list[int] = field(default_factory=list)
     buf_num_tokens: int = 0
-    buf_since_s: float = 0.0  # when the oldest unflushed token arrived
+    # Coalescing limits how often a request publishes; it is not a window every token
+    # waits out: a token goes out at once unless this request sent a chunk less than
+    # coalesce_ms ago, and then waits, with those that follow, until coalesce_ms after
+    # it. (A window from the first buffered token held every token of an engine stepping
+    # slower than coalesce_ms for the whole window, for nothing to coalesce with.)
+    last_flush_s: float = -math.inf  # when the latest chunk was taken (mono_s)
     # control flags, set from outside the request's task, then WAKE is queued
     cancelled: bool = False
     requeue_reason: str | None = None
@@ -86,8 +92,6 @@ class InFlight:
         if first:
             self.started = True
             self.first_token_s = now_s
-        if not self.buf_num_tokens:
-            self.buf_since_s = now_s
         self.buf_text.append(delta.text)
         self.buf_token_ids.extend(delta.token_ids)
         self.generated_ids.extend(delta.token_ids)
@@ -106,9 +110,11 @@ class InFlight:
         finish_reason: str | None = None,
         usage: Usage | None = None,
         error: ErrorInfo | None = None,
+        now_s: float | None = None,
     ) -> TokenChunk:
         """Empty the buffer into the next chunk (seq numbers from 0, no gaps)."""
         req = self.item.request
+        self.last_flush_s = mono_s() if now_s is None else now_s
         chunk = TokenChunk(
             request_id=req.request_id,
             seq=self.next_seq,
@@ -127,6 +133,10 @@ class InFlight:
         self.buf_token_ids.clear()
         self.buf_num_tokens = 0
         return chunk
+
+    def flush_due_s(self, coalesce_s: float) -> float:
+        """When the buffered tokens go out: now if the last chunk is coalesce_s old."""
+        return self.last_flush_s + coalesce_s
 
     def usage(self, worker_id: str, finish_reason: str, now_s: float | None = None) -> Usage:
         req = self.item.request

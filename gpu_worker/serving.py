@@ -97,20 +97,27 @@ class RequestServing:
         pump = asyncio.create_task(self._pump(r), name=f"pump-{rid}")
         coalesce_s = self.s.coalesce_ms / 1000
         outcome: object = None
+        # Wakes this task (WAKE) when held tokens are due: one timer per held chunk,
+        # not a wait_for (a task and a timeout) per token.
+        timer: asyncio.TimerHandle | None = None
         try:
             while True:
+                if r.stopping:
+                    # Flags win over anything still held or queued. (A fenced
+                    # request's held token would otherwise be flushed in vain, at once,
+                    # forever: _flush publishes nothing for it and never yields.)
+                    break
                 if r.buf_num_tokens:
-                    left_s = r.buf_since_s + coalesce_s - mono_s()
+                    left_s = r.flush_due_s(coalesce_s) - mono_s()
                     if left_s <= 0:
                         await self._flush(r)
                         continue
-                    try:
-                        ev = await asyncio.wait_for(r.queue.get(), left_s)
-                    except TimeoutError:
-                        await self._flush(r)
-                        continue
-                else:
-                    ev = await r.queue.get()
+                    if timer is None:
+                        timer = asyncio.get_running_loop().call_later(left_s, r.signal)
+                elif timer is not None:
+                    timer.cancel()
+                    timer = None
+                ev = await r.queue.get()
                 if r.stopping:
                     break  # flags win over anything still queued
                 if ev is WAKE:
@@ -132,13 +139,16 @@ class RequestServing:
                 if ev.finish_reason is not None:
                     outcome = ev
                     break
-                # The first token goes out at once (it is the TTFT); later ones are
-                # coalesced for at most coalesce_ms.
+                # The first token goes out at once (it is the TTFT); a later one too,
+                # unless this request sent a chunk less than coalesce_ms ago: then it
+                # waits until coalesce_ms after that one (`InFlight.flush_due_s`).
                 if r.buf_num_tokens and (
-                    first or coalesce_s <= 0 or mono_s() - r.buf_since_s >= coalesce_s
+                    first or coalesce_s <= 0 or mono_s() >= r.flush_due_s(coalesce_s)
                 ):
                     await self._flush(r)
         finally:
+            if timer is not None:
+                timer.cancel()
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump  # closes the engine stream: the engine frees the sequence

@@ -261,6 +261,32 @@ async def test_no_coalescing_sends_every_token(nats_server, uid, dispatcher):
     assert [c.num_tokens for c in chunks] == [1] * 10
 
 
+async def test_fenced_while_its_first_token_waits_for_the_ack_ends_quietly(
+        nats_server, nc, uid, dispatcher):
+    """The worker fences itself while a request's first token waits for its start ack:
+    the request ends without publishing anything, and the worker goes on (the token
+    it holds must not keep its task flushing, in vain, forever)."""
+    subjects = dispatcher.subjects
+    acks: list[str] = []
+    async with worker_running(nats_server, uid, coalesce_ms=0) as (worker, _e, _s, _t):
+        async def on_ack(msg: Msg) -> None:
+            acks.append(msg.subject)
+            dispatcher.lost_incarnations.add(worker.incarnation)  # the next beat fences
+            await dispatcher.wait(lambda: worker.num_fenced >= 1)
+            await msg.respond(b"")
+
+        sub = await nc.subscribe(f"{subjects.prefix}.acktest.>", cb=on_ack)
+        item = work_item(subjects, "f1", out=50)
+        item.ack_subject = f"{subjects.prefix}.acktest.f1"
+        dispatcher.add(item)
+        await dispatcher.wait(lambda: bool(acks) and "f1" not in worker._reqs)
+        assert "f1" not in dispatcher.chunks and not dispatcher.of(Started, "f1")
+        # The worker, a new incarnation, still serves.
+        dispatcher.add(work_item(subjects, "f2", out=3))
+        await dispatcher.wait(lambda: dispatcher.complete("f2"))
+        await sub.unsubscribe()
+
+
 async def test_pulls_only_with_headroom(nats_server, uid, dispatcher):
     dispatcher.limit = 2 + 1
     subjects = dispatcher.subjects

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fairlane.protocol import ErrorCode, ErrorInfo, InferenceRequest, WorkItem
@@ -59,8 +61,8 @@ def test_inflight_coalesces_and_numbers_chunks():
     r = _inflight(return_token_ids=True)
     assert r.add(GenerationDelta(text=" a", token_ids=[1], num_output_tokens=1), 100.5) is True
     assert r.add(GenerationDelta(text=" b", token_ids=[2], num_output_tokens=2), 100.6) is False
-    assert r.buf_since_s == 100.5 and r.first_token_s == 100.5
-    c0 = r.take_chunk()
+    assert r.first_token_s == 100.5
+    c0 = r.take_chunk(now_s=100.6)
     assert (c0.seq, c0.text, c0.token_ids, c0.num_tokens) == (0, " a b", [1, 2], 2)
     assert r.buf_num_tokens == 0 and not c0.is_last
     last = GenerationDelta(text=" c", token_ids=[3], finish_reason="stop", num_prompt_tokens=1,
@@ -71,6 +73,20 @@ def test_inflight_coalesces_and_numbers_chunks():
     assert c1.seq == 1 and c1.is_last and c1.num_tokens == 1
     assert usage.completion_tokens == 3 and usage.prompt_tokens == 1 and usage.queue_ms == 12
     assert usage.ttft_ms == 500.0 and usage.e2e_ms == 2000.0 and usage.kv_token_seconds == 0.25
+
+
+def test_inflight_holds_tokens_only_within_coalesce_of_its_last_chunk():
+    """A rate limit per request, not a window each token waits out: due at once if
+    nothing went out yet or the last chunk is coalesce_s old, else that much later."""
+    r = _inflight()
+    r.add(GenerationDelta(text=" a", token_ids=[1]), 100.0)
+    assert r.flush_due_s(0.005) == -math.inf  # never sent: out at once
+    r.take_chunk(now_s=100.0)
+    r.add(GenerationDelta(text=" b", token_ids=[2]), 100.002)
+    assert r.flush_due_s(0.005) == pytest.approx(100.005)  # 2 ms after: held 3 ms
+    r.take_chunk(now_s=100.005)
+    r.add(GenerationDelta(text=" c", token_ids=[3]), 100.020)
+    assert r.flush_due_s(0.005) <= 100.020  # 15 ms after: out at once
 
 
 def test_inflight_hides_token_ids_unless_asked_and_flags_stop():
