@@ -40,6 +40,9 @@ class WorkerSpec:
     step_model: str = "default"
     coalesce_ms: int = 5
     heartbeat_ms: int = 500
+    # The source tree the workers run from (cwd and first on PYTHONPATH): another
+    # commit's checkout, to compare workers across commits (bench/bench_worker_tokens.py).
+    source: Path | None = None
 
 
 @dataclass
@@ -57,10 +60,13 @@ class Fleet:
     heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
     _nc: nats.NATS | None = None
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], source: Path | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the proc
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, stdout=log,
+        if source is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(source), *filter(None, [os.environ.get("PYTHONPATH")])])
+        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=source or REPO, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
         log.close()
         self.procs.append((name, proc))
@@ -83,7 +89,7 @@ class Fleet:
                 "--max-num-seqs", str(w.max_num_seqs), "--prefetch-seqs", str(w.prefetch_seqs),
                 "--time-scale", str(w.time_scale), "--step-model", w.step_model,
                 "--coalesce-ms", str(w.coalesce_ms), "--heartbeat-ms", str(w.heartbeat_ms),
-                "--log-level", "warning"])
+                "--log-level", "warning"], w.source)
         deadline = time.monotonic() + timeout_s
         disp_log = self.log_dir / "dispatcher.log"
         while time.monotonic() < deadline:
