@@ -19,9 +19,9 @@ checkout's. The base commit's tree comes from `git archive` into a temporary dir
 its worker runs from there (`bench.fleet.WorkerSpec.source`).
 
 Engines (rows): `default` step model with 32 streams (this machine's fidelity fleet,
-~14 ms steps, ~2,200 tokens/s) and `h100_llama7b_torch` with 128 streams (a 7B model on
-one H100 as bench/calibrate_gpu.py measured it, ~16 ms steps, ~7,800 tokens/s: the rate
-a GPU worker's event loop must keep up with).
+~13 ms steps, ~2,500 tokens/s) and `h100_llama7b_torch` with 128 streams (a 7B model on
+one H100 as bench/calibrate_gpu.py measured it, ~11.5 ms steps, ~11,000 tokens/s: the
+rate a GPU worker's event loop must keep up with).
 
 Per run, in a window after a warm-up on the same load (`--warmup-s`), from the
 chunks that arrive in it:

@@ -81,7 +81,8 @@ SUMMARY_ROWS: dict[str, Callable[[Results], list[str]]] = {
     **render_memory.SUMMARY_ROWS, **render_scheduler.SUMMARY_ROWS, **render_scale.SUMMARY_ROWS,
     **render_edge.SUMMARY_ROWS, **render_noisy.SUMMARY_ROWS, **render_path.SUMMARY_ROWS,
     **render_ingest.SUMMARY_ROWS, **render_preemption_vllm.SUMMARY_ROWS,
-    **render_gpu.SUMMARY_ROWS, **render_dispatcher_load.SUMMARY_ROWS}
+    **render_gpu.SUMMARY_ROWS, **render_dispatcher_load.SUMMARY_ROWS,
+    **render_worker_tokens.SUMMARY_ROWS}
 SUMMARY_HEADER = ("| claim | measured | target | file |", "|---|---|---|---|")
 
 

@@ -17,6 +17,7 @@ from bench.render_common import (
     measured_records,
     one_results_file,
     one_stem,
+    row_source,
     sources_line,
     table,
 )
@@ -94,4 +95,25 @@ def worker_tokens_kind(res: Results, args: list[str], _old: str) -> str:
                         result_table(data, records)])
 
 
+def summary_worker_tokens(res: Results) -> list[str]:
+    """Per engine: the base commit's worker against this one's, at coalesce_ms 5."""
+    data = res.load(STEM).get("data", {})
+    records = measured_records(data, STEM)
+    parts = []
+    for engine, e in data.get("engines", {}).items():
+        base = figures_of(records, f"{engine}:base")
+        now = figures_of(records, f"{engine}:now")
+        parts.append(
+            f"`{e['step_model']}`, {e['streams']} streams: worker CPU per token "
+            f"{fmt_sum(base['worker_cpu_us_per_token'])} → "
+            f"**{fmt_sum(now['worker_cpu_us_per_token'])} µs**, second-token gap p50 "
+            f"{fmt_sum(base['second_token_gap_ms_p50'])} → "
+            f"{fmt_sum(now['second_token_gap_ms_p50'])} ms")
+    return [f"§1 the worker's token path: its CPU per streamed token and its second token's "
+            f"gap, base commit {data.get('base_commit')}'s worker → this one's "
+            "(coalesce_ms 5, closed loop of 256-token requests, sim engine in real time)",
+            "; ".join(parts), "—", row_source(res, STEM)]
+
+
 KINDS = {"worker-tokens": worker_tokens_kind}
+SUMMARY_ROWS = {"worker-tokens": summary_worker_tokens}

@@ -16,7 +16,7 @@ from bench.bench_worker_tokens import (
     window_figures,
 )
 from bench.render_common import RenderError, Results
-from bench.render_worker_tokens import report, worker_tokens_kind
+from bench.render_worker_tokens import report, summary_worker_tokens, worker_tokens_kind
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -89,5 +89,8 @@ def test_report_gives_each_variants_median_and_range(tmp_path):
     (tmp_path / "worker_tokens.md").write_text("x")
     block = worker_tokens_kind(Results(tmp_path), ["worker_tokens"], "")
     assert "def5678" in block and "Base commit abc1234" in block
+    row = summary_worker_tokens(Results(tmp_path))
+    assert row[1] == ("`default`, 32 streams: worker CPU per token 65.0 (60.0–70.0) → "
+                      "**40.0 µs**, second-token gap p50 14.0 (14.0–14.0) → 14.0 ms")
     with pytest.raises(RenderError):
         worker_tokens_kind(Results(tmp_path), [], "")
