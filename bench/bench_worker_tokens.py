@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -228,6 +229,15 @@ def base_tree(rev: str, into: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    # The worker must import that tree, not the installed checkout (an editable
+    # install's finder comes after PYTHONPATH; check rather than assume).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(into), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    where = subprocess.run([sys.executable, "-c", "import gpu_worker; print(gpu_worker.__file__)"],
+                           cwd=into, env=env, check=True, capture_output=True,
+                           text=True).stdout.strip()
+    if not Path(where).resolve().is_relative_to(into.resolve()):
+        raise SystemExit(f"the base worker would import {where}, not the tree at {into}")
     return into
 
 
