@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import statistics
 import subprocess
 import sys
@@ -62,16 +61,16 @@ if str(ROOT) not in sys.path:
 
 from bench.fidelity_load import prompt_of  # noqa: E402
 from bench.fidelity_real import machine_ticks, proc_cpu_s  # noqa: E402
-from bench.fleet import Fleet, WorkerSpec  # noqa: E402
+from bench.fleet import Fleet, WorkerSpec, source_env  # noqa: E402
 from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
-from bench.render_worker_tokens import HOW_TO_READ, TITLE, report  # noqa: E402
+from bench.render_worker_tokens import HOW_TO_READ, TITLE, VARIANT_LABELS, report  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
 from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams  # noqa: E402
 
 # The commit before the worker's coalescing became a per-request rate limit.
 BASE_REV = "b0eb9d9"
 ENGINES = {"default": ("default", 32), "h100": ("h100_llama7b_torch", 128)}
-VARIANTS = ("base", "now", "now-c0")
+VARIANTS = tuple(VARIANT_LABELS)  # base, now, now-c0 (module docstring)
 OUTPUT_TOKENS = 256
 PROMPT_TOKENS = 32
 TENANTS_YAML = ("tiers:\n  - {name: free}\npools:\n  default: {policy: drr}\n"
@@ -94,13 +93,13 @@ def token_times(s: Stream) -> list[float]:
     return [t for t, n in zip(s.t_chunks, s.n_chunks, strict=True) for _ in range(n)]
 
 
-def second_token_gap_ms(s: Stream) -> float | None:
-    times = token_times(s)
+def second_token_gap_ms(times: list[float]) -> float | None:
+    """From `token_times`: the second token's arrival minus the first's."""
     return (times[1] - times[0]) * 1000 if len(times) >= 3 else None  # not the last
 
 
-def tpot_ms(s: Stream) -> float | None:
-    times = token_times(s)
+def tpot_ms(times: list[float]) -> float | None:
+    """From `token_times`: the mean gap from the first token to the last."""
     return (times[-1] - times[0]) * 1000 / (len(times) - 1) if len(times) >= 2 else None
 
 
@@ -114,9 +113,9 @@ def window_figures(streams: list[Stream], w0: float, w1: float, cpu_s: float,
             if w0 <= t < w1 and n:
                 tokens += n
                 chunks += 1
-    timed = [s for s in streams if s.t_chunks and w0 <= s.t_chunks[0] < w1]
-    gaps = [g for s in timed if (g := second_token_gap_ms(s)) is not None]
-    tpots = [x for s in timed if (x := tpot_ms(s)) is not None]
+    timed = [token_times(s) for s in streams if s.t_chunks and w0 <= s.t_chunks[0] < w1]
+    gaps = [g for t in timed if (g := second_token_gap_ms(t)) is not None]
+    tpots = [x for t in timed if (x := tpot_ms(t)) is not None]
     span_s = w1 - w0
     return {
         "window_s": round(span_s, 3), "tokens": tokens, "chunks": chunks,
@@ -231,10 +230,8 @@ def base_tree(rev: str, into: Path) -> Path:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     # The worker must import that tree, not the installed checkout (an editable
     # install's finder comes after PYTHONPATH; check rather than assume).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(into), *filter(None, [os.environ.get("PYTHONPATH")])]))
     where = subprocess.run([sys.executable, "-c", "import gpu_worker; print(gpu_worker.__file__)"],
-                           cwd=into, env=env, check=True, capture_output=True,
+                           cwd=into, env=source_env(into), check=True, capture_output=True,
                            text=True).stdout.strip()
     if not Path(where).resolve().is_relative_to(into.resolve()):
         raise SystemExit(f"the base worker would import {where}, not the tree at {into}")

@@ -45,6 +45,16 @@ class WorkerSpec:
     source: Path | None = None
 
 
+def source_env(source: Path | None) -> dict[str, str]:
+    """The environment of a process that runs from `source` (None: this checkout):
+    that tree first on PYTHONPATH, ahead of the installed checkout."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(source), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
 @dataclass
 class Fleet:
     nats_url: str
@@ -62,12 +72,9 @@ class Fleet:
 
     def _spawn(self, name: str, args: list[str], source: Path | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the proc
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if source is not None:
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(source), *filter(None, [os.environ.get("PYTHONPATH")])])
         proc = subprocess.Popen([sys.executable, "-m", *args], cwd=source or REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=source_env(source))
         log.close()
         self.procs.append((name, proc))
         return proc

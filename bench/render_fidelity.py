@@ -390,26 +390,34 @@ WORKERS_STEM = "fidelity_workers"
 
 
 def by_fleet_size(data: dict) -> dict[int, list[Row]]:
-    """A `--workers 2,4` run's rows per fleet size (each scenario records its own)."""
+    """A `--workers 2,4` run's rows per fleet size (each scenario records its own);
+    RenderError for a run over one size."""
     runs = data.get("runs", [])
     out: dict[int, list[Row]] = {}
     for name, scen in data.get("scenarios", {}).items():
         size = scen.get("workers", data.get("workers"))
         out.setdefault(size, []).extend(compare(runs, name, scen.get("classes", [])))
+    if len(out) < 2:
+        raise RenderError("needs a run over several fleet sizes (--workers 2,4)")
     return dict(sorted(out.items()))
+
+
+def base_scenario(row: Row) -> str:
+    """`light@4w` -> `light`: the scenario whatever the fleet size."""
+    return row.scenario.split("@")[0]
 
 
 def summary_fidelity_workers(res: Results) -> list[str]:
     """The same scenarios at several fleet sizes in one run: the verdict per size."""
     data = res.load(WORKERS_STEM).get("data", {})
-    sizes = by_fleet_size(data)
-    if len(sizes) < 2:
-        raise RenderError(f"{WORKERS_STEM}.json: needs a run over several fleet sizes "
-                          "(--workers 2,4)")
+    try:
+        sizes = by_fleet_size(data)
+    except RenderError as exc:
+        raise RenderError(f"{WORKERS_STEM}.json: {exc}") from None
     parts = []
     for size, rows in sizes.items():
         met, n, missed = headline(rows)
-        worst = ", ".join(f"{r.scenario.split('@')[0]}/{r.cls} {r.short} "
+        worst = ", ".join(f"{base_scenario(r)}/{r.cls} {r.short} "
                           f"{fmt_pct(r.err.median)}" for r in missed[:3])
         parts.append(f"{size} workers: **{met} of {n}**" + (f" (missed: {worst})" if worst
                                                              else ""))
@@ -423,13 +431,11 @@ def sizes_table(data: dict) -> str:
     """Each judged figure's error at each fleet size of a `--workers 2,4` run, side by
     side: scenario, class, metric, then per size the error (median, range) and verdict."""
     sizes = by_fleet_size(data)
-    if len(sizes) < 2:
-        raise RenderError("needs a run over several fleet sizes (--workers 2,4)")
     keyed: dict[tuple[str, str, str], dict[int, Row]] = {}
     for size, rows in sizes.items():
         for r in rows:
             if r.metric.judged:
-                keyed.setdefault((r.scenario.split("@")[0], r.cls, r.label), {})[size] = r
+                keyed.setdefault((base_scenario(r), r.cls, r.label), {})[size] = r
     out = []
     for (scen, cls, label), per in keyed.items():
         cells = []

@@ -28,15 +28,15 @@ def _stream(times_s: list[float], tokens: list[int]) -> Stream:
 def test_a_chunks_tokens_arrive_with_it():
     s = _stream([1.0, 1.02, 1.05], [1, 2, 1])
     assert token_times(s) == [1.0, 1.02, 1.02, 1.05]
-    assert second_token_gap_ms(s) == pytest.approx(20.0)
-    assert tpot_ms(s) == pytest.approx(50.0 / 3)
+    assert second_token_gap_ms(token_times(s)) == pytest.approx(20.0)
+    assert tpot_ms(token_times(s)) == pytest.approx(50.0 / 3)
 
 
 def test_the_second_token_gap_needs_a_token_after_it():
     """The last token rides on the final chunk whatever the coalescing: a two-token
     request tells nothing about holding."""
-    assert second_token_gap_ms(_stream([1.0, 1.02], [1, 1])) is None
-    assert tpot_ms(_stream([1.0], [1])) is None
+    assert second_token_gap_ms(token_times(_stream([1.0, 1.02], [1, 1]))) is None
+    assert tpot_ms(token_times(_stream([1.0], [1]))) is None
 
 
 def test_window_figures_count_what_arrives_inside_the_window():
