@@ -17,20 +17,19 @@ the glue the real processes provide over NATS, written as events:
   work arrives mid-run (the real engine admits it there); a run costs O(1) whatever
   the batch: only sequences whose state changes are touched (first token, finish,
   preemption), and tokens are reported when a sequence leaves the batch;
-- as `SimEngine`, a prompt that reaches the engine's longest sequence is refused
-  (PROMPT_TOO_LONG) and an output is cut there;
+- as `SimEngine`, a prompt that reaches the longest sequence is refused, an output cut;
 - heartbeats (every worker's in one event: they beat in step) and housekeeping go to
   the core as the shell sends them, so its liveness rules see a live fleet.
 
-Not modelled: the client and JetStream legs (ingest is instantaneous), faults, the
-edge's rate limits, the dispatcher's CPU (decisions take no time: `fleetsim.core_clock`).
+Not modelled: the client and JetStream legs (ingest is instantaneous), faults, the edge's
+rate limits, the dispatcher's CPU (decisions take no time: `fleetsim.core_clock`).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
+from itertools import chain
 
 # Names, not `actions.X`: compiled, a module attribute is a lookup on every use.
 from dispatcher.scheduler.actions import (
@@ -78,31 +77,33 @@ class Fleet:
                                       kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
             for i in range(self.s.num_workers)]
         self._by_id = {w.worker_id: w for w in self.workers}
-        # The longest sequence an engine holds, as SimEngine's: a prompt that reaches it
-        # is refused, an output is cut there.
+        # As SimEngine's: a prompt that reaches the longest sequence is refused, an output cut.
         self.max_seq_len = self.workers[0].core.max_seq_len(self.s.max_model_len)
         self._events = event_heap()  # timers and step ends
-        # Messages (`_send`) and pull expiries: fixed delays, so appended in time order.
-        self._net: deque[tuple[float, int, Callable, object]] = deque()
+        self._net: deque[tuple[float, int, Callable, object]] = deque()  # in time order
         self._expiries: deque[tuple[float, int, int]] = deque()  # (time, seq, pull key)
-        self._seq = itertools.count()
+        self._seq = 0  # the last event's number (an int: next() on a count is a generic call)
         # Waiting pulls by arrival, those with a free slot apart (served first); the
         # pulls a serving pass gave work to (`_take`), answered at its end.
         self._pulls_free: dict[int, Pull] = {}
         self._pulls_prefetch: dict[int, Pull] = {}
         self._served: list[Pull] = []
-        self._pull_ids = itertools.count()
+        self._pull_key = 0  # the last pull's key
         self.now_ms = self.end_ms = 0.0  # end_ms: where `run` ended (duration, StopRun)
         self.num_events = self.num_preemptions = self.num_arrivals = 0
 
     # --- the event loop ---------------------------------------------------------------
 
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     def _at(self, t_ms: float, fn: Callable, arg: object = None) -> None:
-        self._events.push(t_ms, next(self._seq), fn, arg)
+        self._events.push(t_ms, self._next_seq(), fn, arg)
 
     def _send(self, fn: Callable, arg: object) -> None:
         """A message between dispatcher and worker: handled `network_ms` from now."""
-        self._net.append((self.now_ms + self.s.network_ms, next(self._seq), fn, arg))
+        self._net.append((self.now_ms + self.s.network_ms, self._next_seq(), fn, arg))
 
     def run(self, arrivals: Iterator[Arrival], duration_s: float,
             progress: Callable[[float], None] | None = None,
@@ -123,10 +124,9 @@ class Fleet:
         events, net, expiries = self._events, self._net, self._expiries
         while True:
             # The next event is the earliest (time, seq) of three queues: the heap
-            # (timers, step ends), the messages and the pull expiries. The last two
-            # have fixed delays, so they are FIFOs already in (time, seq) order (O(1)
-            # instead of a heap operation, ~5 of a request's ~8.5 events); merged by
-            # (time, seq) they give the order one heap of everything gave.
+            # (timers, step ends), the messages and the pull expiries, FIFOs already in
+            # (time, seq) order as their delays are fixed (O(1), not a heap operation,
+            # for ~5 of a request's ~8.5 events): the order one heap would give.
             src, t_ev, seq_ev = 0, inf, 0
             if events:
                 src, t_ev, seq_ev = 1, events.head_t_ms(), events.head_seq()
@@ -219,7 +219,7 @@ class Fleet:
         served = self._served
         if spread(free.values(), self._num_queued, self._take, Pull.room_now) \
                 and self.scheduler.num_queued:
-            spread(itertools.chain(free.values(), prefetch.values()), self._num_queued,
+            spread(chain(free.values(), prefetch.values()), self._num_queued,
                    self._take, Pull.room)
         if served:
             for p in served:
@@ -268,10 +268,10 @@ class Fleet:
 
     def _on_pull(self, p: Pull) -> None:
         self._apply(self.core.on_pull(p.worker.worker_id, p.free_kv_tokens, self.now_ms))
-        p.key = key = next(self._pull_ids)
+        p.key = key = self._pull_key = self._pull_key + 1
         (self._pulls_free if p.free_slots else self._pulls_prefetch)[key] = p
         # expires_ms is now + pull_wait_ms (sent network_ms ago, it waits that long here)
-        self._expiries.append((p.expires_ms, next(self._seq), key))
+        self._expiries.append((p.expires_ms, self._next_seq(), key))
         self._serve_pulls()
 
     def _on_started(self, arg: tuple[Worker, str]) -> None:

@@ -21,6 +21,9 @@ import math
 import random
 from bisect import bisect_right
 from collections.abc import Iterator
+
+# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
+from heapq import heapify, heappop, heapreplace
 from itertools import accumulate
 from typing import Any, ClassVar
 
@@ -223,9 +226,11 @@ def _poisson_times(rng: random.Random, rate_per_s: float,
                    duration_s: float) -> Iterator[float]:
     if rate_per_s <= 0:
         return
-    expo, t = rng.expovariate, 0.0
+    rand, t = rng.random, 0.0
     while True:
-        t += expo(rate_per_s)
+        # rng.expovariate(rate_per_s), written out as random.py has it: the same draws,
+        # without a call into interpreted code per arrival (compiled, ~2% of a run).
+        t += -math.log(1.0 - rand()) / rate_per_s
         if t >= duration_s:
             return
         yield t
@@ -435,13 +440,13 @@ def merge_arrivals(streams: list[Iterator[Arrival]]) -> Iterator[Arrival]:
         first = next(it, None)
         if first is not None:
             heap.append((first.t_s, i, first, it))
-    heapq.heapify(heap)
+    heapify(heap)
     # (t_s, stream index) is unique within the heap, so Arrivals are never compared.
     while heap:
         _, i, arrival, it = heap[0]
         yield arrival
         nxt = next(it, None)
         if nxt is None:
-            heapq.heappop(heap)
+            heappop(heap)
         else:
-            heapq.heapreplace(heap, (nxt.t_s, i, nxt, it))
+            heapreplace(heap, (nxt.t_s, i, nxt, it))

@@ -15,10 +15,12 @@ flight, per-tenant quotas, deadlines, shedding, and the counters metrics read.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import Counter
 from collections.abc import Iterable
+
+# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
+from heapq import heapify, heappop, heappush
 
 from dispatcher.scheduler.actions import SendError
 from dispatcher.scheduler.cost import make_cost_model
@@ -215,7 +217,7 @@ class Scheduler:
             self._tier_weight[i] = self._tier_weight.get(i, 0.0) + self.config.weight(req.tenant)
         self._tt_queued[key] = n + 1
         if req.deadline_ms is not None:
-            heapq.heappush(self._deadlines, (req.deadline_ms, next(self._deadline_seq), req))
+            heappush(self._deadlines, (req.deadline_ms, next(self._deadline_seq), req))
 
     def _unqueue(self, req: QueuedRequest) -> None:
         """Bookkeeping for a request leaving the queue (already out of `_queued`)."""
@@ -464,7 +466,7 @@ class Scheduler:
         out: list[SendError] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now_ms:
-            deadline, _, req = heapq.heappop(heap)
+            deadline, _, req = heappop(heap)
             # Stale entries: dispatched, cancelled, or requeued (pushed again).
             if self._queued.get(req.request_id) is not req or req.deadline_ms != deadline:
                 continue
@@ -473,7 +475,7 @@ class Scheduler:
             out.append(SendError(req, ErrorCode.EXPIRED, "deadline passed while queued"))
         if len(heap) > 1024 and len(heap) > 4 * len(self._queued):
             self._deadlines = [e for e in heap if self._queued.get(e[2].request_id) is e[2]]
-            heapq.heapify(self._deadlines)
+            heapify(self._deadlines)
         return out
 
     def shed(self, now_ms: float, max_queued_total: int | None = None) -> list[SendError]:

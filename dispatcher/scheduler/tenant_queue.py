@@ -8,10 +8,12 @@ every operation is O(log n); the heap is compacted when dead entries dominate.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable
+
+# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
+from heapq import heapify, heappop, heappush
 
 from dispatcher.scheduler.types import QueuedRequest
 
@@ -43,7 +45,7 @@ class TenantQueue:
         deadline = math.inf if req.deadline_ms is None else req.deadline_ms
         entry = (-req.priority, front_rank, deadline, req.seq, next(_unique), req)
         self._live[req.request_id] = entry
-        heapq.heappush(self._heap, entry)
+        heappush(self._heap, entry)
 
     def push(self, req: QueuedRequest) -> None:
         self._push(req, 0)
@@ -65,7 +67,7 @@ class TenantQueue:
         del self._live[req.request_id]
         if len(self._heap) > 64 and len(self._heap) > 2 * len(self._live):
             self._heap = list(self._live.values())
-            heapq.heapify(self._heap)
+            heapify(self._heap)
         return True
 
     def peek(self) -> QueuedRequest | None:
@@ -77,13 +79,13 @@ class TenantQueue:
             current = live.get(entry[5].request_id)
             if current is not None and current[4] == entry[4]:
                 return entry[5]
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
     def pop(self) -> QueuedRequest | None:
         req = self.peek()
         if req is not None:
-            heapq.heappop(self._heap)
+            heappop(self._heap)
             del self._live[req.request_id]
         return req
 
@@ -110,11 +112,11 @@ def shed_victims(queued: Iterable[QueuedRequest], tier_index: Callable[[str], in
             reqs.sort(key=lambda r: (-r.priority, r.deadline_ms is None,
                                      r.deadline_ms or 0.0, r.seq))
         longest = [(-len(reqs), name) for name, reqs in tenants.items()]
-        heapq.heapify(longest)
+        heapify(longest)
         while num_victims > 0 and longest:
-            neg, name = heapq.heappop(longest)
+            neg, name = heappop(longest)
             victims.append(tenants[name].pop())
             num_victims -= 1
             if neg + 1 < 0:
-                heapq.heappush(longest, (neg + 1, name))
+                heappush(longest, (neg + 1, name))
     return victims

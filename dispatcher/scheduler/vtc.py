@@ -21,9 +21,11 @@ pass checks from the heap's top: O(states forgotten), never a scan.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterable, Mapping
+
+# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
+from heapq import heappop, heappush
 from typing import ClassVar
 
 from dispatcher.scheduler.base import (
@@ -64,7 +66,7 @@ class VtcPolicy:
         heap = self._heaps.get(st.tier)
         if heap is None:
             heap = self._heaps[st.tier] = []
-        heapq.heappush(heap, (self._counter(st), next(self._unique), st.version, st))
+        heappush(heap, (self._counter(st), next(self._unique), st.version, st))
 
     def _deactivate(self, st: TenantState) -> None:
         st.version += 1
@@ -76,7 +78,7 @@ class VtcPolicy:
             _, _, version, st = heap[0]
             if version == st.version and st.active:
                 return self._counter(st)
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
     def _floor(self, tier: str) -> float:
@@ -127,10 +129,10 @@ class VtcPolicy:
         while heap:
             _, _, version, st = heap[0]
             if version != st.version or not st.active:
-                heapq.heappop(heap)
+                heappop(heap)
                 continue
             head = st.queue.peek()
-            heapq.heappop(heap)
+            heappop(heap)
             self._deactivate(st)
             if head is None:
                 self._forget(st)
@@ -156,12 +158,12 @@ class VtcPolicy:
         for tenant in tenants:
             for st in self._book.idle_states(tenant):
                 heap = self._idle.setdefault(st.tier, [])
-                heapq.heappush(heap, (self._counter(st), next(self._unique), st.version, st))
+                heappush(heap, (self._counter(st), next(self._unique), st.version, st))
         states = self._book.states
         for tier, heap in self._idle.items():
             floor = self._floor(tier)
             while heap and heap[0][0] <= floor:
-                _, _, version, st = heapq.heappop(heap)
+                _, _, version, st = heappop(heap)
                 if (version != st.version or st.active or st.parked or st.queue
                         or states.get((st.tier, st.tenant)) is not st):
                     continue  # back since (the scheduler reports it again when idle)
@@ -169,7 +171,7 @@ class VtcPolicy:
                 if counter <= floor:
                     del states[(st.tier, st.tenant)]
                 else:  # its counter rose since it was indexed: index it anew
-                    heapq.heappush(heap, (counter, next(self._unique), version, st))
+                    heappush(heap, (counter, next(self._unique), version, st))
 
     # --- accounting --------------------------------------------------------------------
 

@@ -30,10 +30,11 @@ O(block size), and finishes O(log n) each; only KV preemption walks the batch.
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 from collections import deque
 from dataclasses import dataclass
+
+# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
+from heapq import heappop, heappush
 from typing import Any
 
 import structlog
@@ -155,6 +156,12 @@ class BatchCore:
     def __init__(self, step_model: StepModel, *, max_num_seqs: int | None = None,
                  kv_tokens_total: int | None = None, step_log_size: int = 10_000) -> None:
         self.step_model = step_model
+        # Its step costs as plain floats: `run_coeffs` reads them for every run, and a
+        # msgspec Struct's fields are a generic attribute lookup each from compiled code.
+        self._step_base_ms = step_model.step_base_ms
+        self._step_per_seq_ms = step_model.step_per_seq_ms
+        self._step_per_kv_token_ms = step_model.step_per_kv_token_ms
+        self._prefill_tokens_per_s = step_model.prefill_tokens_per_s
         self.max_num_seqs = max_num_seqs or step_model.max_num_seqs
         self.block_size = step_model.kv_block_size_tokens
         total = kv_tokens_total or step_model.kv_tokens_total
@@ -166,8 +173,10 @@ class BatchCore:
         self.num_waiting = 0
         self.free_blocks = self.num_blocks_total  # includes the prefix cache's blocks
         self.prefix_cache = PrefixCache()
-        self._arrivals = itertools.count()
-        self._orders = itertools.count()
+        # Sequence numbers (ints, not itertools.count: `next()` on one is a generic call
+        # from compiled code).
+        self._num_added = 0
+        self._num_admitted = 0
         self.num_steps = 0
         self.num_preemptions = 0
         # Tokens prefilled again (a preempted sequence's or a continuation's prompt +
@@ -191,17 +200,18 @@ class BatchCore:
 
     def add(self, seq: Seq) -> None:
         """A new sequence waits for a slot (ordered by priority, then arrival)."""
-        seq.arrival = next(self._arrivals)
+        seq.arrival = self._num_added
+        self._num_added += 1
         self._push_waiting(seq)
 
     def _push_waiting(self, seq: Seq) -> None:
         seq.state = SeqState.WAITING
-        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
+        heappush(self._waiting, (seq.priority, seq.arrival, seq))
         self.num_waiting += 1
 
     def peek_waiting(self) -> Seq | None:
         while self._waiting and self._waiting[0][2].state is not SeqState.WAITING:
-            heapq.heappop(self._waiting)  # stale: aborted while waiting
+            heappop(self._waiting)  # stale: aborted while waiting
         return self._waiting[0][2] if self._waiting else None
 
     @property
@@ -240,7 +250,7 @@ class BatchCore:
             need = self.blocks_for(head)
             if need > self.free_blocks:
                 break  # head-of-line: nothing behind it jumps ahead
-            heapq.heappop(self._waiting)
+            heappop(self._waiting)
             self.num_waiting -= 1
             prefill += self._admit(head, need)
         return prefill
@@ -315,7 +325,7 @@ class BatchCore:
             return []
         out = []
         while fin and fin[0][0] <= d:
-            _, _, adm, seq = heapq.heappop(fin)
+            _, _, adm, seq = heappop(fin)
             if seq.state is _RUNNING and seq.num_admissions == adm and seq._core is self:
                 out.append(seq)
         if len(out) > 1:
@@ -328,7 +338,7 @@ class BatchCore:
             _, _, adm, seq = fin[0]
             if seq.state is _RUNNING and seq.num_admissions == adm and seq._core is self:
                 return fin[0][0] - self._D
-            heapq.heappop(fin)  # stale: released or admitted again
+            heappop(fin)  # stale: released or admitted again
         return 0
 
     # --- many steps at once (virtual time) ---------------------------------------------
@@ -366,7 +376,7 @@ class BatchCore:
         if span <= 0:
             return 0
         bs, res = self.block_size, self._res
-        full, rem = divmod(span, bs)
+        full, rem = span // bs, span % bs  # not divmod: a builtin looked up per call
         n = full * len(self.running)
         if rem:
             # Residues r = -D-g-d (mod bs) for d < rem: one circular slice of `res`.
@@ -378,12 +388,13 @@ class BatchCore:
     def run_coeffs(self, prefill_tokens: int) -> tuple[float, float, float]:
         """Step j (from 0) of a run over the current batch lasts a + b*j ms, plus the
         prefill in step 0: each step adds one KV token per sequence."""
-        m = self.step_model
         n = len(self.running)
         kv0 = self._kv_off + n * self._D
-        a_ms = m.step_base_ms + m.step_per_seq_ms * n + m.step_per_kv_token_ms * kv0
-        return (a_ms, m.step_per_kv_token_ms * n,
-                m.prefill_ms(prefill_tokens) if prefill_tokens else 0.0)
+        per_kv_ms = self._step_per_kv_token_ms
+        a_ms = self._step_base_ms + self._step_per_seq_ms * n + per_kv_ms * kv0
+        # StepModel.prefill_ms, term for term (the same rounding)
+        return (a_ms, per_kv_ms * n,
+                1000.0 * prefill_tokens / self._prefill_tokens_per_s if prefill_tokens else 0.0)
 
     def run_ms(self, num_steps: int, prefill_tokens: int) -> list[float]:
         """End times (ms from now) of each step of a run of `num_steps` (see run_steps)."""
@@ -445,11 +456,12 @@ class BatchCore:
         off = seq._out - self._D
         seq._out, seq._core = off, self
         seq._t0, seq._u0, seq._d0, seq._hit = self._T, self._U, self._D, hit_tokens
-        seq.order = next(self._orders)
+        seq.order = self._num_admitted
+        self._num_admitted += 1
         x = seq.num_prompt_tokens + off
         self._kv_off += x
         self._res[x % self.block_size] += 1
-        heapq.heappush(self._fin, (seq.target_output_tokens - off, seq.arrival,
+        heappush(self._fin, (seq.target_output_tokens - off, seq.arrival,
                                    seq.num_admissions, seq))
         self.running.append(seq)
         self.last_admitted.append(seq)

@@ -305,7 +305,7 @@ def test_messages_timers_and_expiries_run_in_one_time_then_schedule_order():
     fleet._at(0.5, ran.append, "timer 1")
     fleet._send(ran.append, "message 2")  # now 0: at 0.5, scheduled after timer 1
     fleet._at(0.5, ran.append, "timer 3")
-    fleet._expiries.append((0.5, next(fleet._seq), -1))  # no such pull: a no-op
+    fleet._expiries.append((0.5, fleet._next_seq(), -1))  # no such pull: a no-op
     fleet._send(ran.append, "message 4")
     fleet._at(0.25, ran.append, "timer 0")
     fleet._at(0.75, ran.append, "timer 5")
