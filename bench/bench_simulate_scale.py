@@ -35,6 +35,13 @@ by side in one process per pool (at most the CPUs at once). That is another flee
 deployment the README advises for ~1,000 GPUs, not the same fleet run faster: its
 rows' TTFT and busy columns are its own. CPU time and peak RSS are the pools' sum.
 
+`--base REV` with variants named `base-...` (`base-compiled`, `base-compiled-pools2`)
+runs those from commit REV's simulator (its four packages unpacked with `git archive`,
+compiled from that tree for `base-compiled`), in the same run and interleaved with this
+checkout's: a change to the simulator measured against its base on one host, in one
+hour, instead of against a figure from another session (hosts differ by up to 2.4x).
+Each child checks that it imported the tree its variant names.
+
 `--variants interpreted,compiled` runs each scale twice, as `fairlane simulate` and as
 `fairlane simulate --compiled` (the same modules compiled with mypyc,
 `fleetsim.compiled`; built before the first run, not timed), one after the other, the
@@ -53,7 +60,9 @@ import math
 import os
 import random
 import resource
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +149,13 @@ def build_workload(workers: int, tenants: int, duration_s: float, slots: int, lo
                 "traffic_vs_scale_yaml": factor, "class_counts": counts}
 
 
+BASE_PREFIX = "base-"  # a variant run from the --base commit's simulator
+
+
 def parse_variant(variant: str) -> tuple[str, int]:
-    """`compiled` -> ("compiled", 1); `compiled-pools2` -> ("compiled", 2)."""
-    base, _, pools = variant.partition("-pools")
+    """`compiled` -> ("compiled", 1); `compiled-pools2` -> ("compiled", 2); the same
+    for `base-compiled-pools2` (the --base commit's)."""
+    base, _, pools = variant.removeprefix(BASE_PREFIX).partition("-pools")
     if base not in ("interpreted", "compiled") or (pools and not pools.isdigit()) \
             or pools.startswith("0"):
         raise SystemExit(f"--variants: unknown {variant!r} (interpreted or compiled, "
@@ -166,8 +179,11 @@ def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float,
     from fleetsim.pools import Job, run_pools
 
     base, num_pools = parse_variant(variant)
-    if is_compiled() != (base == "compiled"):
-        raise SystemExit(f"variant {variant}: fleetsim.fleet is {sys.modules['fleetsim.fleet'].__file__}")
+    where = sys.modules["fleetsim.fleet"].__file__ or ""
+    source = os.environ.get("FL_BENCH_SOURCE")  # the tree this variant must run from
+    if is_compiled() != (base == "compiled") or (
+            source and not Path(where).resolve().is_relative_to(Path(source).resolve())):
+        raise SystemExit(f"variant {variant}: fleetsim.fleet is {where}")
 
     wl, info = build_workload(workers, tenants, duration_s, a.slots, a.load, a.seed)
     job = Job(workload=wl, config=wl.scheduler_config,
@@ -253,8 +269,10 @@ is the child process's own (getrusage), with Python, numpy and the scheduler loa
 plus each pool process's own peak (a sum of peaks: an upper bound)."""
 
 
-def report(runs: list[dict]) -> str:
-    lines = [scale_table(runs), "",
+def report(runs: list[dict], base_commit: str | None = None) -> str:
+    lines = ([f"*base-...* variants: the simulator of commit {base_commit} (`--base`), run "
+              "from its tree in the same run.", ""] if base_commit else [])
+    lines += [scale_table(runs), "",
              "Peak RSS so far (MiB) along each run, at simulated s (flat = bounded):", ""]
     for r in runs:
         cps = r["checkpoints"]
@@ -266,6 +284,33 @@ def report(runs: list[dict]) -> str:
     if find_runs({"runs": runs}, TARGET_SCALE):
         lines += ["", target_line({"runs": runs})]
     return "\n".join(lines)
+
+
+def variant_envs(variants: list[str], base_rev: str | None,
+                 tmp: Path) -> dict[str, dict[str, str] | None]:
+    """Each variant's child environment (None: this process's): a compiled variant
+    imports its compiled copy first, a base one its commit's tree; `FL_BENCH_SOURCE`
+    names the tree the child must find `fleetsim` in."""
+    from bench.fleet import base_tree, source_env
+    from fleetsim import compiled
+
+    tree = None
+    if base_rev and any(v.startswith(BASE_PREFIX) for v in variants):
+        tree = base_tree(base_rev, tmp / "base", compiled.PACKAGES, "fleetsim")
+    builds: dict[Path | None, Path] = {}
+    out: dict[str, dict[str, str] | None] = {}
+    for v in variants:
+        src = tree if v.startswith(BASE_PREFIX) else None
+        if parse_variant(v)[0] == "compiled":
+            if src not in builds:
+                builds[src] = compiled.build(src)
+            out[v] = compiled.env(builds[src]) | {"FL_BENCH_SOURCE": str(builds[src])}
+        elif src is not None:
+            # The tree first; run_children appends this checkout (for `bench`).
+            out[v] = source_env(src) | {"FL_BENCH_SOURCE": str(src)}
+        else:
+            out[v] = None
+    return out
 
 
 def main() -> None:
@@ -286,6 +331,8 @@ def main() -> None:
                          "comma-separated")
     ap.add_argument("--reps", type=int, default=1,
                     help="repetitions of every scale and variant (>= 5 for a headline)")
+    ap.add_argument("--base", default=None,
+                    help="the commit the base-... variants run (module docstring)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     default_s, per_scale = 3600.0, {}
@@ -303,25 +350,30 @@ def main() -> None:
         print(json.dumps(out | {"rep": int(rep or 0)}))
         return
     variants = a.variants.split(",")
-    bases = {parse_variant(v)[0] for v in variants}
-    env_for = None
-    if "compiled" in bases:
-        from fleetsim import compiled
-
-        build_dir = compiled.build()
-        env_for = (lambda item: compiled.env(build_dir)  # noqa: E731
-                   if "@compiled" in item else None)
+    for v in variants:
+        parse_variant(v)
+    if any(v.startswith(BASE_PREFIX) for v in variants) and not a.base:
+        raise SystemExit("--variants base-...: name the commit with --base")
     # Repetition by repetition, every scale in each; the variants' order alternates
     # from one (scale, repetition) to the next, so neither always runs first.
     scales = a.scales.split(",")
     items = [f"{scale}@{v}#{rep}" for rep in range(a.reps) for i, scale in enumerate(scales)
              for v in (variants if (rep * len(scales) + i) % 2 == 0 else variants[::-1])]
     meta = RunMeta.here()
-    runs, (load0, load1) = run_children(__file__, items, env_for)
-    body = report(runs) + f"\n\nLoad average before / after: {load0} / {load1}.\n"
+    extra: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fl-scale-") as tmp:
+        envs = variant_envs(variants, a.base, Path(tmp))
+        if a.base:
+            extra["base_commit"] = subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", a.base], check=True,
+                capture_output=True, text=True).stdout.strip()
+        runs, (load0, load1) = run_children(
+            __file__, items, lambda item: envs[item.partition("@")[2].partition("#")[0]])
+    body = report(runs, extra.get("base_commit"))
+    body += f"\n\nLoad average before / after: {load0} / {load1}.\n"
     md, js = write_results(a.out, TITLE, body, {"runs": runs, "load_avg": [load0, load1],
-                                                "args": vars(a) | {"out": str(a.out)}},
-                           meta, HOW_TO_READ)
+                                                "args": vars(a) | {"out": str(a.out)},
+                                                **extra}, meta, HOW_TO_READ)
     print(body)
     print(f"wrote {md} and {js}", file=sys.stderr)
 

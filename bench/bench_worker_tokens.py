@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:
 
 from bench.fidelity_load import prompt_of  # noqa: E402
 from bench.fidelity_real import machine_ticks, proc_cpu_s  # noqa: E402
-from bench.fleet import Fleet, WorkerSpec, source_env  # noqa: E402
+from bench.fleet import Fleet, WorkerSpec, base_tree  # noqa: E402
 from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
 from bench.render_worker_tokens import HOW_TO_READ, TITLE, VARIANT_LABELS, report  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
@@ -220,22 +220,6 @@ class Bench:
         out = window_figures(streams, w0, w1, cpu1 - cpu0, busy)
         out["errors"] = errors
         return out
-
-
-def base_tree(rev: str, into: Path) -> Path:
-    """The repository at `rev`, unpacked (`git archive`): the base variant's worker."""
-    into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    # The worker must import that tree, not the installed checkout (an editable
-    # install's finder comes after PYTHONPATH; check rather than assume).
-    where = subprocess.run([sys.executable, "-c", "import gpu_worker; print(gpu_worker.__file__)"],
-                           cwd=into, env=source_env(into), check=True, capture_output=True,
-                           text=True).stdout.strip()
-    if not Path(where).resolve().is_relative_to(into.resolve()):
-        raise SystemExit(f"the base worker would import {where}, not the tree at {into}")
-    return into
 
 
 async def amain(args: argparse.Namespace) -> int:

@@ -55,6 +55,25 @@ def source_env(source: Path | None) -> dict[str, str]:
     return env
 
 
+def base_tree(rev: str, into: Path, paths: tuple[str, ...] = (),
+              module: str = "gpu_worker") -> Path:
+    """The repository at `rev` (only `paths`, if given), unpacked with `git archive`
+    into `into`: a benchmark's `base` variant runs from it. Checks that a process run
+    with `source_env(into)` imports `module` from that tree, not the installed checkout
+    (an editable install's finder comes after PYTHONPATH; check rather than assume)."""
+    root = Path(__file__).resolve().parents[1]
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, "--", *paths],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    where = subprocess.run([sys.executable, "-c", f"import {module}; print({module}.__file__)"],
+                           cwd=into, env=source_env(into), check=True, capture_output=True,
+                           text=True).stdout.strip()
+    if not Path(where).resolve().is_relative_to(into.resolve()):
+        raise SystemExit(f"the base variant would import {where}, not the tree at {into}")
+    return into
+
+
 @dataclass
 class Fleet:
     nats_url: str

@@ -151,6 +151,9 @@ def setup_text(data: dict) -> str:
         f"{'/'.join(f'{x:.0%}' for x in loads)} of the slots busy, drr, preemption on. "
         + (POOLS_TEXT if any("pools" in r for r in runs) else
            "*wall s*: `Fleet.run` alone (`perf_counter`); *cpu s*: its process time; ")
+        + (f"*base-...*: the same variant from commit {data['base_commit']} (`--base`), "
+           "run from its tree in the same run, interleaved; "
+           if data.get("base_commit") else "")
         + "*steady*: sim-s per wall-s from 10 simulated s on; *hour, wall*: measured where "
         "the row ran the hour, else extrapolated from the steady rate; *busy*: mean "
         "running ÷ slots; peak RSS: the child process's own"
@@ -183,8 +186,10 @@ def scale_kind(res: Results, args: list[str], _old: str) -> str:
 
 def summary_scale(res: Results) -> list[str]:
     data = res.load(STEM).get("data", {})
-    # The headline is the fleet the target names, one pool: its fastest variant.
-    one_pool = [g for g in find_runs(data, TARGET_SCALE) if "-pools" not in variant_of(g[0])]
+    # The headline is the fleet the target names, one pool, this code (not a --base
+    # commit's): its fastest variant.
+    one_pool = [g for g in find_runs(data, TARGET_SCALE) if "-pools" not in variant_of(g[0])
+                and not variant_of(g[0]).startswith("base-")]
     g = min(one_pool, key=hour_s) if one_pool else None
     if g is None:
         raise RenderError(f"no {TARGET_SCALE[0]:,} x {TARGET_SCALE[1]:,} run in {STEM}.json")

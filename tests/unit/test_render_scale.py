@@ -172,6 +172,33 @@ def test_a_pool_split_never_leads_the_summary_but_is_listed(tmp_path):
     assert "`Fleet.run` alone" not in text
 
 
+def test_a_base_commit_never_leads_the_summary_and_is_named(tmp_path):
+    """`base-...` rows are the --base commit's simulator, run beside this checkout's to
+    measure a change: the headline is this checkout's, even if the base ran faster."""
+    data = {"runs": [_run(1000, 100_000, 600.0, 400.0, 2400.0, True, variant="base-compiled"),
+                     _run(1000, 100_000, 600.0, 800.0, 4800.0, True, variant="compiled")],
+            "base_commit": "abc1234"}
+    row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
+    assert row[1].startswith("**0.75 sim-s per wall-s** compiled, median of 1")
+    assert "; base-compiled: 1.50 (an hour ≈ 40.0 min)" in row[1]
+    assert "*base-...*: the same variant from commit abc1234 (`--base`)" in rsc.setup_text(data)
+    assert "*base-...*" not in rsc.setup_text({"runs": data["runs"]})
+    assert bench_report(data["runs"], "abc1234").startswith(
+        "*base-...* variants: the simulator of commit abc1234 (`--base`)")
+
+
+def test_base_variants_parse_as_their_variant_and_need_a_commit(monkeypatch):
+    from bench import bench_simulate_scale as bss
+
+    assert bss.parse_variant("base-compiled-pools2") == ("compiled", 2)
+    assert bss.parse_variant("base-interpreted") == ("interpreted", 1)
+    with pytest.raises(SystemExit, match="unknown 'base-fast'"):
+        bss.parse_variant("base-fast")
+    monkeypatch.setattr("sys.argv", ["bench_simulate_scale.py", "--variants", "base-compiled"])
+    with pytest.raises(SystemExit, match="name the commit with --base"):
+        bss.main()
+
+
 def test_missing_target_scale_is_an_error(tmp_path):
     data = {"runs": [_run(100, 10_000, 3600.0, 300.0, 300.0, False)]}
     with pytest.raises(RenderError, match="no 1,000 x 100,000 run"):

@@ -1,0 +1,37 @@
+"""bench/bench_simulate_scale.py with `--base`: the base-... variant runs the simulator
+of a `git archive` of that commit, checked by its child, beside this checkout's, and
+the results file names the commit. Interpreted (no mypyc build): the tree and the
+environment are what is tested, the same for both kinds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def test_a_base_commits_simulator_runs_beside_this_ones(tmp_path):
+    # HEAD as the base: any clone has it (a shallow one too).
+    out = tmp_path / "scale.md"
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_simulate_scale.py", "--scales", "10x100",
+         "--duration-s", "5", "--variants", "base-interpreted,interpreted", "--base", "HEAD",
+         "--reps", "2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())["data"]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout.strip()
+    assert data["base_commit"] == head
+    # Interleaved, the order alternated; the same simulation either way (same commit).
+    assert [r["variant"] for r in data["runs"]] == [
+        "base-interpreted", "interpreted", "interpreted", "base-interpreted"]
+    assert len({(r["arrivals"], r["events"], r["ttft_p99_s"]) for r in data["runs"]}) == 1
+    assert f"the simulator of commit {head} (`--base`)" in out.read_text()
