@@ -4,7 +4,8 @@
     python -m fleetsim.compiled                      # build now; prints the directory
 
 What is compiled (`MODULES`) is the source the interpreted run executes, unchanged:
-the production scheduler core (`dispatcher.scheduler`, all of it), the simulator
+the production scheduler core (`dispatcher.scheduler`, all of it, and the pool
+configuration it reads, `fairlane.poolconfig`), the simulator
 engine's batching core and step model, the worker's pull-room rule, and fleetsim's
 event loop, event queue, state, recorder and arrival streams. mypyc turns each module
 into a C extension; a compiled run gives the same result as an interpreted one, event
@@ -50,6 +51,9 @@ MODULES = (
     "fleetsim/records.py",
     "fleetsim/recorder.py",
     "fleetsim/histogram.py",
+    # SchedulerConfig.tenant / weight: ~10 calls a request from the scheduler core
+    # (its msgspec Structs live apart, in fairlane/poolspec.py, which mypyc cannot build).
+    "fairlane/poolconfig.py",
 )
 # Build leftovers beside the source: neither copied nor part of the key.
 _LEFTOVER_DIRS = ("__pycache__", "build")

@@ -21,9 +21,7 @@ import math
 import random
 from bisect import bisect_right
 from collections.abc import Iterator
-
-# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
-from heapq import heapify, heappop, heapreplace
+from heapq import heapify, heappop, heapreplace  # by name: compiled, heapq.x is a lookup per call
 from itertools import accumulate
 from typing import Any, ClassVar
 

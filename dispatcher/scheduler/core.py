@@ -18,9 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterable
-
-# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush  # by name: compiled, heapq.x is a lookup per call
 
 from dispatcher.scheduler.actions import SendError
 from dispatcher.scheduler.cost import make_cost_model

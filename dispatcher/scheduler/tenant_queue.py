@@ -11,9 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable
-
-# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush  # by name: compiled, heapq.x is a lookup per call
 
 from dispatcher.scheduler.types import QueuedRequest
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping
-
-# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
-from heapq import heappop, heappush
+from heapq import heappop, heappush  # by name: compiled, heapq.x is a lookup per call
 from typing import ClassVar
 
 from dispatcher.scheduler.base import (

@@ -32,9 +32,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-
-# Names, not `heapq.x`: compiled (mypyc), a module attribute is a lookup per call.
-from heapq import heappop, heappush
+from heapq import heappop, heappush  # by name: compiled, heapq.x is a lookup per call
 from typing import Any
 
 import structlog
@@ -156,12 +154,9 @@ class BatchCore:
     def __init__(self, step_model: StepModel, *, max_num_seqs: int | None = None,
                  kv_tokens_total: int | None = None, step_log_size: int = 10_000) -> None:
         self.step_model = step_model
-        # Its step costs as plain floats: `run_coeffs` reads them for every run, and a
-        # msgspec Struct's fields are a generic attribute lookup each from compiled code.
-        self._step_base_ms = step_model.step_base_ms
-        self._step_per_seq_ms = step_model.step_per_seq_ms
-        self._step_per_kv_token_ms = step_model.step_per_kv_token_ms
-        self._prefill_tokens_per_s = step_model.prefill_tokens_per_s
+        # For `run_coeffs`, every run (compiled, a msgspec Struct's field is a generic lookup).
+        self._step_costs = (step_model.step_base_ms, step_model.step_per_seq_ms,
+                            step_model.step_per_kv_token_ms, step_model.prefill_tokens_per_s)
         self.max_num_seqs = max_num_seqs or step_model.max_num_seqs
         self.block_size = step_model.kv_block_size_tokens
         total = kv_tokens_total or step_model.kv_tokens_total
@@ -173,10 +168,7 @@ class BatchCore:
         self.num_waiting = 0
         self.free_blocks = self.num_blocks_total  # includes the prefix cache's blocks
         self.prefix_cache = PrefixCache()
-        # Sequence numbers (ints, not itertools.count: `next()` on one is a generic call
-        # from compiled code).
-        self._num_added = 0
-        self._num_admitted = 0
+        self._num_added = self._num_admitted = 0  # not itertools.count: next() is generic
         self.num_steps = 0
         self.num_preemptions = 0
         # Tokens prefilled again (a preempted sequence's or a continuation's prompt +
@@ -200,8 +192,7 @@ class BatchCore:
 
     def add(self, seq: Seq) -> None:
         """A new sequence waits for a slot (ordered by priority, then arrival)."""
-        seq.arrival = self._num_added
-        self._num_added += 1
+        seq.arrival, self._num_added = self._num_added, self._num_added + 1
         self._push_waiting(seq)
 
     def _push_waiting(self, seq: Seq) -> None:
@@ -388,13 +379,11 @@ class BatchCore:
     def run_coeffs(self, prefill_tokens: int) -> tuple[float, float, float]:
         """Step j (from 0) of a run over the current batch lasts a + b*j ms, plus the
         prefill in step 0: each step adds one KV token per sequence."""
+        base_ms, per_seq_ms, per_kv_ms, prefill_per_s = self._step_costs
         n = len(self.running)
-        kv0 = self._kv_off + n * self._D
-        per_kv_ms = self._step_per_kv_token_ms
-        a_ms = self._step_base_ms + self._step_per_seq_ms * n + per_kv_ms * kv0
-        # StepModel.prefill_ms, term for term (the same rounding)
-        return (a_ms, per_kv_ms * n,
-                1000.0 * prefill_tokens / self._prefill_tokens_per_s if prefill_tokens else 0.0)
+        a_ms = base_ms + per_seq_ms * n + per_kv_ms * (self._kv_off + n * self._D)
+        # The prefill as StepModel.prefill_ms computes it (the same rounding).
+        return a_ms, per_kv_ms * n, 1000.0 * prefill_tokens / prefill_per_s if prefill_tokens else 0.0
 
     def run_ms(self, num_steps: int, prefill_tokens: int) -> list[float]:
         """End times (ms from now) of each step of a run of `num_steps` (see run_steps)."""
@@ -456,8 +445,7 @@ class BatchCore:
         off = seq._out - self._D
         seq._out, seq._core = off, self
         seq._t0, seq._u0, seq._d0, seq._hit = self._T, self._U, self._D, hit_tokens
-        seq.order = self._num_admitted
-        self._num_admitted += 1
+        seq.order, self._num_admitted = self._num_admitted, self._num_admitted + 1
         x = seq.num_prompt_tokens + off
         self._kv_off += x
         self._res[x % self.block_size] += 1
