@@ -42,6 +42,12 @@ checkout's: a change to the simulator measured against its base on one host, in 
 hour, instead of against a figure from another session (hosts differ by up to 2.4x).
 Each child checks that it imported the tree its variant names.
 
+`--alt-python PATH` with variants named `alt-...` runs those under another interpreter
+(`alt-compiled` with a compiled copy built by it): the simulator's speed depends on the
+Python build as much as on its code. Each row records its interpreter, its version and
+whether its libpython is a shared library (pyenv's default build) or linked into the
+executable (Debian's python3), the difference measured.
+
 `--variants interpreted,compiled` runs each scale twice, as `fairlane simulate` and as
 `fairlane simulate --compiled` (the same modules compiled with mypyc,
 `fleetsim.compiled`; built before the first run, not timed), one after the other, the
@@ -58,6 +64,7 @@ import copy
 import json
 import math
 import os
+import platform
 import random
 import resource
 import subprocess
@@ -150,12 +157,15 @@ def build_workload(workers: int, tenants: int, duration_s: float, slots: int, lo
 
 
 BASE_PREFIX = "base-"  # a variant run from the --base commit's simulator
+ALT_PREFIX = "alt-"  # a variant run by the --alt-python interpreter
 
 
 def parse_variant(variant: str) -> tuple[str, int]:
     """`compiled` -> ("compiled", 1); `compiled-pools2` -> ("compiled", 2); the same
-    for `base-compiled-pools2` (the --base commit's)."""
-    base, _, pools = variant.removeprefix(BASE_PREFIX).partition("-pools")
+    for `base-compiled-pools2` (the --base commit's) and `alt-...` (--alt-python's)."""
+    own = variant.removeprefix(BASE_PREFIX) if variant.startswith(BASE_PREFIX) \
+        else variant.removeprefix(ALT_PREFIX)
+    base, _, pools = own.partition("-pools")
     if base not in ("interpreted", "compiled") or (pools and not pools.isdigit()) \
             or pools.startswith("0"):
         raise SystemExit(f"--variants: unknown {variant!r} (interpreted or compiled, "
@@ -194,6 +204,12 @@ def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float,
         requested = False
 
     stop, next_print_s = Stop(), 0.0
+    # The interpreter: a shared libpython (pyenv's default build) costs the compiled
+    # simulator ~14% more instructions than one linked into the executable (Debian's).
+    with open("/proc/self/maps") as maps:
+        shared = any("libpython" in line for line in maps)
+    python = {"python": platform.python_version(), "python_executable": sys.executable,
+              "libpython_shared": shared}
 
     def progress(t_s: float, wall: float) -> None:
         nonlocal next_print_s
@@ -246,7 +262,7 @@ def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float,
         "finished": pool["finished"], "rejected": pool["rejected"],
         "throughput_tok_s": pool["throughput_tok_s"],
         "ttft_p50_s": pool["ttft_s"]["p50"], "ttft_p99_s": pool["ttft_s"]["p99"],
-        "checkpoints": checkpoints, **info,
+        "checkpoints": checkpoints, **info, **python,
     }
 
 
@@ -286,11 +302,12 @@ def report(runs: list[dict], base_commit: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def variant_envs(variants: list[str], base_rev: str | None,
+def variant_envs(variants: list[str], base_rev: str | None, alt_python: str | None,
                  tmp: Path) -> dict[str, dict[str, str] | None]:
     """Each variant's child environment (None: this process's): a compiled variant
-    imports its compiled copy first, a base one its commit's tree; `FL_BENCH_SOURCE`
-    names the tree the child must find `fleetsim` in."""
+    imports its compiled copy first (an alt one the copy built by and for
+    `alt_python`), a base one its commit's tree; `FL_BENCH_SOURCE` names the tree the
+    child must find `fleetsim` in."""
     from bench.fleet import base_tree, source_env
     from fleetsim import compiled
 
@@ -301,7 +318,14 @@ def variant_envs(variants: list[str], base_rev: str | None,
     out: dict[str, dict[str, str] | None] = {}
     for v in variants:
         src = tree if v.startswith(BASE_PREFIX) else None
-        if parse_variant(v)[0] == "compiled":
+        if v.startswith(ALT_PREFIX) and alt_python:
+            # Built by that interpreter (the build's key includes its version).
+            build = Path(subprocess.run(
+                [alt_python, "-m", "fleetsim.compiled"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            out[v] = (compiled.env(build) | {"FL_BENCH_SOURCE": str(build)}
+                      if parse_variant(v)[0] == "compiled" else None)
+        elif parse_variant(v)[0] == "compiled":
             if src not in builds:
                 builds[src] = compiled.build(src)
             out[v] = compiled.env(builds[src]) | {"FL_BENCH_SOURCE": str(builds[src])}
@@ -333,6 +357,8 @@ def main() -> None:
                     help="repetitions of every scale and variant (>= 5 for a headline)")
     ap.add_argument("--base", default=None,
                     help="the commit the base-... variants run (module docstring)")
+    ap.add_argument("--alt-python", default=None,
+                    help="the interpreter the alt-... variants run under (an executable)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     default_s, per_scale = 3600.0, {}
@@ -354,6 +380,8 @@ def main() -> None:
         parse_variant(v)
     if any(v.startswith(BASE_PREFIX) for v in variants) and not a.base:
         raise SystemExit("--variants base-...: name the commit with --base")
+    if any(v.startswith(ALT_PREFIX) for v in variants) and not a.alt_python:
+        raise SystemExit("--variants alt-...: name the interpreter with --alt-python")
     # Repetition by repetition, every scale in each; the variants' order alternates
     # from one (scale, repetition) to the next, so neither always runs first.
     scales = a.scales.split(",")
@@ -362,13 +390,17 @@ def main() -> None:
     meta = RunMeta.here()
     extra: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fl-scale-") as tmp:
-        envs = variant_envs(variants, a.base, Path(tmp))
+        envs = variant_envs(variants, a.base, a.alt_python, Path(tmp))
         if a.base:
             extra["base_commit"] = subprocess.run(
                 ["git", "-C", str(ROOT), "rev-parse", "--short", a.base], check=True,
                 capture_output=True, text=True).stdout.strip()
+        def variant(item: str) -> str:
+            return item.partition("@")[2].partition("#")[0]
+
         runs, (load0, load1) = run_children(
-            __file__, items, lambda item: envs[item.partition("@")[2].partition("#")[0]])
+            __file__, items, lambda item: envs[variant(item)],
+            lambda item: a.alt_python if variant(item).startswith(ALT_PREFIX) else None)
     body = report(runs, extra.get("base_commit"))
     body += f"\n\nLoad average before / after: {load0} / {load1}.\n"
     md, js = write_results(a.out, TITLE, body, {"runs": runs, "load_avg": [load0, load1],

@@ -290,17 +290,20 @@ def write_results(md_path: Path, title: str, body: str, data: Any, meta: RunMeta
 
 def run_children(script: str, items: Sequence[str],
                  env_for: Callable[[str], dict[str, str] | None] | None = None,
+                 python_for: Callable[[str], str | None] | None = None,
                  ) -> tuple[list[dict], list[tuple]]:
     """Run `script` once per item as ``script <this process's argv> --child ITEM`` in a
     process of its own (its memory and GC start fresh; peak RSS is its own), each
     printing its result as JSON on its last stdout line; `env_for(item)` may give an
-    item its own environment (its PYTHONPATH is kept, the checkout appended). Returns
+    item its own environment (its PYTHONPATH is kept, the checkout appended), and
+    `python_for(item)` its own interpreter (None: this one). Returns
     the results and the machine's load average before and after, for the results file."""
     load0 = tuple(round(x, 2) for x in os.getloadavg())
     runs = []
     for item in items:
         print(f"{item} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, script, *sys.argv[1:], "--child", item]
+        python = (python_for(item) if python_for else None) or sys.executable
+        cmd = [python, script, *sys.argv[1:], "--child", item]
         own = env_for(item) if env_for else None
         env = dict(own if own is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(

@@ -134,6 +134,22 @@ POOLS_TEXT = (
     "the pools' recorders (`perf_counter`); *cpu s*: the pools' process time, summed; ")
 
 
+def _python(r: dict) -> str:
+    how = "its libpython a shared library" if r["libpython_shared"] else \
+        "the interpreter linked into the executable"
+    return f"`{r['python_executable']}` (Python {r['python']}, {how})"
+
+
+def python_text(runs: list[dict]) -> str:
+    """Which interpreter ran the rows, when some ran under --alt-python."""
+    alt = [r for r in runs if variant_of(r).startswith("alt-") and "python" in r]
+    own = [r for r in runs if not variant_of(r).startswith("alt-") and "python" in r]
+    if not alt or not own:
+        return ""
+    return (f"*alt-...*: the same variant run by {_python(alt[0])}, the others by "
+            f"{_python(own[0])}, interleaved; ")
+
+
 def setup_text(data: dict) -> str:
     runs = runs_of(data)
     slots = sorted({r["slots"] for r in runs})
@@ -154,6 +170,7 @@ def setup_text(data: dict) -> str:
         + (f"*base-...*: the same variant from commit {data['base_commit']} (`--base`), "
            "run from its tree in the same run, interleaved; "
            if data.get("base_commit") else "")
+        + python_text(runs)
         + "*steady*: sim-s per wall-s from 10 simulated s on; *hour, wall*: measured where "
         "the row ran the hour, else extrapolated from the steady rate; *busy*: mean "
         "running ÷ slots; peak RSS: the child process's own"
@@ -187,9 +204,9 @@ def scale_kind(res: Results, args: list[str], _old: str) -> str:
 def summary_scale(res: Results) -> list[str]:
     data = res.load(STEM).get("data", {})
     # The headline is the fleet the target names, one pool, this code (not a --base
-    # commit's): its fastest variant.
+    # commit's) under the bench's own interpreter: its fastest variant.
     one_pool = [g for g in find_runs(data, TARGET_SCALE) if "-pools" not in variant_of(g[0])
-                and not variant_of(g[0]).startswith("base-")]
+                and not variant_of(g[0]).startswith(("base-", "alt-"))]
     g = min(one_pool, key=hour_s) if one_pool else None
     if g is None:
         raise RenderError(f"no {TARGET_SCALE[0]:,} x {TARGET_SCALE[1]:,} run in {STEM}.json")

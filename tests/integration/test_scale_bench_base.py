@@ -35,3 +35,19 @@ def test_a_base_commits_simulator_runs_beside_this_ones(tmp_path):
         "base-interpreted", "interpreted", "interpreted", "base-interpreted"]
     assert len({(r["arrivals"], r["events"], r["ttft_p99_s"]) for r in data["runs"]}) == 1
     assert f"the simulator of commit {head} (`--base`)" in out.read_text()
+
+
+def test_an_alt_interpreter_runs_its_variants(tmp_path):
+    # This interpreter as the "other" one: what is tested is that the alt-... children
+    # run under --alt-python and say so.
+    out = tmp_path / "scale.md"
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_simulate_scale.py", "--scales", "10x100",
+         "--duration-s", "5", "--variants", "alt-interpreted,interpreted",
+         "--alt-python", sys.executable, "--reps", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.with_suffix(".json").read_text())["data"]["runs"]
+    assert [r["variant"] for r in runs] == ["alt-interpreted", "interpreted"]
+    assert {r["python_executable"] for r in runs} == {sys.executable}
+    assert all(isinstance(r["libpython_shared"], bool) for r in runs)

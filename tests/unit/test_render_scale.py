@@ -187,6 +187,22 @@ def test_a_base_commit_never_leads_the_summary_and_is_named(tmp_path):
         "*base-...* variants: the simulator of commit abc1234 (`--base`)")
 
 
+def test_an_alt_interpreter_is_named_and_never_leads_the_summary(tmp_path):
+    runs = [_run(1000, 100_000, 600.0, 400.0, 2400.0, True, variant="alt-compiled"),
+            _run(1000, 100_000, 600.0, 800.0, 4800.0, True, variant="compiled")]
+    for r, (exe, shared) in zip(runs, [("/usr/bin/python3.11", False),
+                                       ("/opt/py/bin/python", True)], strict=True):
+        r.update(python="3.11.2", python_executable=exe, libpython_shared=shared)
+    data = {"runs": runs}
+    row = rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
+    assert row[1].startswith("**0.75 sim-s per wall-s** compiled, median of 1")
+    assert "; alt-compiled: 1.50 (an hour ≈ 40.0 min)" in row[1]
+    assert ("*alt-...*: the same variant run by `/usr/bin/python3.11` (Python 3.11.2, the "
+            "interpreter linked into the executable), the others by `/opt/py/bin/python` "
+            "(Python 3.11.2, its libpython a shared library)") in rsc.setup_text(data)
+    assert "*alt-...*" not in rsc.setup_text({"runs": runs[1:]})
+
+
 def test_base_variants_parse_as_their_variant_and_need_a_commit(monkeypatch):
     from bench import bench_simulate_scale as bss
 
@@ -194,8 +210,14 @@ def test_base_variants_parse_as_their_variant_and_need_a_commit(monkeypatch):
     assert bss.parse_variant("base-interpreted") == ("interpreted", 1)
     with pytest.raises(SystemExit, match="unknown 'base-fast'"):
         bss.parse_variant("base-fast")
+    assert bss.parse_variant("alt-compiled-pools2") == ("compiled", 2)
+    with pytest.raises(SystemExit, match="unknown 'alt-base-compiled'"):
+        bss.parse_variant("alt-base-compiled")
     monkeypatch.setattr("sys.argv", ["bench_simulate_scale.py", "--variants", "base-compiled"])
     with pytest.raises(SystemExit, match="name the commit with --base"):
+        bss.main()
+    monkeypatch.setattr("sys.argv", ["bench_simulate_scale.py", "--variants", "alt-compiled"])
+    with pytest.raises(SystemExit, match="name the interpreter with --alt-python"):
         bss.main()
 
 
