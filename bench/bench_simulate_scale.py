@@ -302,33 +302,34 @@ def report(runs: list[dict], base_commit: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def compiled_copy(python: str, root: Path) -> Path:
+    """The compiled copy of the simulator at `root`, built as that tree builds it (its
+    own `fleetsim.compiled` and module list) by and for `python`."""
+    out = subprocess.run([python, "-m", "fleetsim.compiled"], cwd=root,
+                         env=dict(os.environ, PYTHONPATH=str(root)), check=True,
+                         capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 def variant_envs(variants: list[str], base_rev: str | None, alt_python: str | None,
                  tmp: Path) -> dict[str, dict[str, str] | None]:
     """Each variant's child environment (None: this process's): a compiled variant
-    imports its compiled copy first (an alt one the copy built by and for
-    `alt_python`), a base one its commit's tree; `FL_BENCH_SOURCE` names the tree the
-    child must find `fleetsim` in."""
+    imports its compiled copy first (`compiled_copy`: a base one of its commit's tree,
+    an alt one built by `alt_python`), an interpreted base one its commit's tree;
+    `FL_BENCH_SOURCE` names the tree the child must find `fleetsim` in."""
     from bench.fleet import base_tree, source_env
     from fleetsim import compiled
 
     tree = None
     if base_rev and any(v.startswith(BASE_PREFIX) for v in variants):
         tree = base_tree(base_rev, tmp / "base", compiled.PACKAGES, "fleetsim")
-    builds: dict[Path | None, Path] = {}
     out: dict[str, dict[str, str] | None] = {}
     for v in variants:
         src = tree if v.startswith(BASE_PREFIX) else None
-        if v.startswith(ALT_PREFIX) and alt_python:
-            # Built by that interpreter (the build's key includes its version).
-            build = Path(subprocess.run(
-                [alt_python, "-m", "fleetsim.compiled"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-            out[v] = (compiled.env(build) | {"FL_BENCH_SOURCE": str(build)}
-                      if parse_variant(v)[0] == "compiled" else None)
-        elif parse_variant(v)[0] == "compiled":
-            if src not in builds:
-                builds[src] = compiled.build(src)
-            out[v] = compiled.env(builds[src]) | {"FL_BENCH_SOURCE": str(builds[src])}
+        python = alt_python if v.startswith(ALT_PREFIX) and alt_python else sys.executable
+        if parse_variant(v)[0] == "compiled":
+            build = compiled_copy(python, src or ROOT)
+            out[v] = compiled.env(build) | {"FL_BENCH_SOURCE": str(build)}
         elif src is not None:
             # The tree first; run_children appends this checkout (for `bench`).
             out[v] = source_env(src) | {"FL_BENCH_SOURCE": str(src)}
