@@ -55,6 +55,7 @@ from bench import (  # noqa: E402
     render_fidelity,
     render_gpu,
     render_ingest,
+    render_instructions,
     render_memory,
     render_noisy,
     render_path,
@@ -121,7 +122,8 @@ KINDS: dict[str, Renderer] = {**render_preemption.KINDS, **render_chaos.KINDS,
                               **render_scheduler.KINDS, **render_scale.KINDS, **render_edge.KINDS,
                               **render_noisy.KINDS, **render_path.KINDS, **render_ingest.KINDS,
                               **render_gpu.KINDS, **render_dispatcher_load.KINDS,
-                              **render_worker_tokens.KINDS, "summary": summary_table}
+                              **render_worker_tokens.KINDS, **render_instructions.KINDS,
+                              "summary": summary_table}
 
 
 def render(text: str, res: Results) -> str:

@@ -35,11 +35,11 @@ from pathlib import Path
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RunMeta, fmt_num, interleaved_order, write_results  # noqa: E402
+from bench.harness import RunMeta, interleaved_order, write_results  # noqa: E402
+from bench.render_instructions import HOW_TO_READ, TITLE, report, setup_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "sim_instructions.md"
-TITLE = "Fleet simulator: CPU instructions per simulated request (callgrind)"
 TOGGLE = "CPyDef_fleet___Fleet___run"  # the compiled Fleet.run's C function
 
 
@@ -80,35 +80,6 @@ def measure(python: str, env: dict[str, str], scale: str, duration_s: float,
     return run
 
 
-def report(data: dict) -> str:
-    runs = data["runs"]
-    base = [r for r in runs if r["variant"] == "base"]
-    lines = ["| variant | interpreter | reps | instructions in Fleet.run, M | per simulated "
-             "request | vs base | arrivals | summary hash |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    base_ir = min(r["instructions"] for r in base) if base else None
-    for v in dict.fromkeys(r["variant"] for r in runs):
-        g = [r for r in runs if r["variant"] == v]
-        ir = sorted(r["instructions"] for r in g)
-        rng = f"{fmt_num(ir[0] / 1e6, 0)}" + (f"–{fmt_num(ir[-1] / 1e6, 0)}" if ir[-1] != ir[0]
-                                               else "")
-        vs = f"{(ir[0] / base_ir - 1) * 100:+.1f}%" if base_ir else "n/a"
-        lines.append(f"| {v} | {g[0]['python']} | {len(g)} | {rng} | "
-                     f"{fmt_num(ir[0] / g[0]['arrivals'] / 1e3, 1)} k | {vs} | "
-                     f"{g[0]['arrivals']:,} | {', '.join(sorted({r['summary_sha256'] for r in g}))} |")
-    hashes = {r["summary_sha256"] for r in runs}
-    lines += ["", ("Every run simulated the same requests with the same result (one summary "
-                   "hash)." if len(hashes) == 1 else
-                   f"**The runs' summaries differ ({len(hashes)} hashes): not the same simulation.**")]
-    return "\n".join(lines)
-
-
-HOW_TO_READ = """\
-*instructions*: executed inside the compiled `Fleet.run` (callgrind, deterministic up to
-the hash seed: the range over repetitions shows how much), the lowest of the
-repetitions in *per simulated request* and *vs base*; *summary hash*: of the run's whole
-`Recorder.summary()`, equal when the simulation is."""
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=False, help="the commit the base variant runs")
@@ -147,9 +118,7 @@ def main() -> None:
             "base_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.base],
                                           capture_output=True, text=True, check=True).stdout.strip()
             if a.base else None}
-    body = (f"{a.scale.replace('x', ' workers x ')} tenants, {a.duration_s:g} simulated s, "
-            f"bench/bench_simulate_scale.py's workload; base = commit {data['base_commit']}.\n\n"
-            + report(data))
+    body = setup_line(data) + "\n\n" + report(data)
     md, js = write_results(a.out, TITLE, body, data, meta, HOW_TO_READ)
     print(body)
     print(f"wrote {md} and {js}", file=sys.stderr)
