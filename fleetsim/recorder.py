@@ -16,18 +16,19 @@ latency per request would not fit beside the simulation, so `Recorder` keeps:
   throughput over time.
 - **Fleet samples** (`sample`) averaged into at most `max_sample_points` time buckets.
 
-The hot path (one call per event, tens of millions of them) only extends a flat list
-per event kind with the event's numbers; every `flush_every` events the buffers are
-folded into the numpy state at once, where the per-event work is vectorised. A list,
-not a float64 `array.array`: `array.extend` converts each number through the C API's
-argument parser, ~3,000 instructions an event compiled (5% of a 1,000-worker run, in
-callgrind), against ~100 for `list.extend`; the list costs ~4x the memory while it
-fills (about 25 MB at most, at `flush_every`).
+The hot path (one call per event, tens of millions of them) only extends a flat
+float64 `array.array` per event kind (~0.2 us); every `flush_every` events the buffers
+are folded into the numpy state at once, where the per-event work is vectorised. (A
+list per kind executes ~5% fewer instructions in a compiled run, as `array.extend`
+converts each number through the C API's argument parser, but holds a Python float per
+number until the flush: +20 MB per process, and in bench/results/simulate_scale_base.md
+two pools side by side ran slower with it in 4 of 5 repetitions; so not.)
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,15 +108,11 @@ class Recorder:
         self.sample_bucket_s = self.duration_s / self.max_sample_points
         self.samp = np.zeros((self.max_sample_points, ntiers + 4))  # t, queued..., running, busy, n
         self.end_s = 0.0
-        # Pending events, row after row in one flat list per kind (one call per event);
-        # columns as in `flush`, where they become float64 (tenant indices and token
-        # counts are exact in a double up to 2**53).
-        self._first: list[float] = []
-        self._fin: list[float] = []
-        self._tok: list[float] = []
-        self._rej: list[float] = []
-        self._pre: list[float] = []
-        self._rec: list[float] = []
+        # Pending events, row after row in one flat float64 array per kind (no Python
+        # objects, and one call per event); columns as in `flush`. Tenant indices and
+        # token counts are exact in a double up to 2**53.
+        self._first, self._fin, self._tok = array("d"), array("d"), array("d")
+        self._rej, self._pre, self._rec = array("d"), array("d"), array("d")
 
     # --- Sink (hot path: one extend of a flat float64 buffer, folded in `flush`) ------
 
@@ -465,7 +462,7 @@ def _pooled(h: LogHist) -> dict[str, Any]:
     return pooled.stats(0)
 
 
-def _take(buf: list[float], width: int) -> np.ndarray:
+def _take(buf: array, width: int) -> np.ndarray:
     """The buffer's rows as a (rows, width) array; the buffer is emptied."""
     rows = np.array(buf, dtype=np.float64).reshape(-1, width)
     del buf[:]
