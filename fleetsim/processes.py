@@ -227,7 +227,7 @@ def _poisson_times(rng: random.Random, rate_per_s: float,
     rand, t = rng.random, 0.0
     while True:
         # rng.expovariate(rate_per_s), written out as random.py has it: the same draws,
-        # without a call into interpreted code per arrival (compiled, ~2% of a run).
+        # without a call into interpreted code per arrival (~1% of a compiled run).
         t += -math.log(1.0 - rand()) / rate_per_s
         if t >= duration_s:
             return

@@ -483,3 +483,15 @@ def test_the_document_is_not_mutated():
     before = copy.deepcopy(d)
     workload_from_dict(d)
     assert d == before
+
+
+def test_poisson_gaps_are_random_expovariate_draws():
+    """`_poisson_times` writes expovariate out (no interpreted call per arrival): the
+    same times as drawing with `random.Random.expovariate`, so seeds keep their runs."""
+    from fleetsim.processes import _poisson_times
+
+    rng, t, want = random.Random(5), 0.0, []
+    while (t := t + rng.expovariate(3.5)) < 20.0:
+        want.append(t)
+    assert list(_poisson_times(random.Random(5), 3.5, 20.0)) == want
+    assert len(want) > 40
