@@ -1,9 +1,9 @@
 """The tenants file's pool and tier types (msgspec Structs) and the defaults they share
 with `fairlane.poolconfig`, which re-exports all of them: import from there.
 
-Apart from the dataclasses the scheduler core runs on (`poolconfig.TenantConfig`,
-`SchedulerConfig`) because mypyc compiles those (`fleetsim.compiled`: the simulator
-calls `SchedulerConfig.tenant` ~10 times a request) and cannot compile a module that
+They live apart from the dataclasses the scheduler core runs on (`poolconfig.TenantConfig`,
+`SchedulerConfig`) so that mypyc can compile those (`fleetsim.compiled`: the simulator
+calls `SchedulerConfig.tenant` ~10 times a request); it cannot compile a module that
 defines msgspec Structs (their field defaults are `msgspec.field` objects).
 """
 
