@@ -80,7 +80,7 @@ import yaml
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RunMeta, run_children, write_results  # noqa: E402
+from bench.harness import RunMeta, run_children, short_rev, write_results  # noqa: E402
 from bench.render_scale import TARGET_SCALE, find_runs, scale_table, target_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,8 +204,9 @@ def child(a: argparse.Namespace, workers: int, tenants: int, duration_s: float,
         requested = False
 
     stop, next_print_s = Stop(), 0.0
-    # The interpreter: a shared libpython (pyenv's default build) costs the compiled
-    # simulator ~14% more instructions than one linked into the executable (Debian's).
+    # The interpreter, which moves the compiled simulator's speed: in
+    # bench/results/sim_instructions.md a Python with a shared libpython (pyenv's build
+    # here) executed ~14% more instructions than Debian's, linked into its executable.
     with open("/proc/self/maps") as maps:
         shared = any("libpython" in line for line in maps)
     python = {"python": platform.python_version(), "python_executable": sys.executable,
@@ -302,6 +303,13 @@ def report(runs: list[dict], base_commit: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def parse_item(item: str) -> tuple[str, str, int]:
+    """A child's item, `SCALE@VARIANT#REP` (main builds them): (scale, variant, rep)."""
+    scale, _, rest = item.partition("@")
+    variant, _, rep = rest.partition("#")
+    return scale, variant, int(rep or 0)
+
+
 def compiled_copy(python: str, root: Path) -> Path:
     """The compiled copy of the simulator at `root`, built as that tree builds it (its
     own `fleetsim.compiled` and module list) by and for `python`."""
@@ -324,11 +332,13 @@ def variant_envs(variants: list[str], base_rev: str | None, alt_python: str | No
     if base_rev and any(v.startswith(BASE_PREFIX) for v in variants):
         tree = base_tree(base_rev, tmp / "base", compiled.PACKAGES, "fleetsim")
     out: dict[str, dict[str, str] | None] = {}
+    builds: dict[tuple[str, Path], Path] = {}  # one per tree and interpreter
     for v in variants:
         src = tree if v.startswith(BASE_PREFIX) else None
         python = alt_python if v.startswith(ALT_PREFIX) and alt_python else sys.executable
         if parse_variant(v)[0] == "compiled":
-            build = compiled_copy(python, src or ROOT)
+            key = (python, src or ROOT)
+            build = builds[key] = builds.get(key) or compiled_copy(*key)
             out[v] = compiled.env(build) | {"FL_BENCH_SOURCE": str(build)}
         elif src is not None:
             # The tree first; run_children appends this checkout (for `bench`).
@@ -370,11 +380,10 @@ def main() -> None:
         else:
             default_s = float(part)
     if a.child:
-        scale, _, rest = a.child.partition("@")
-        variant, _, rep = rest.partition("#")
+        scale, variant, rep = parse_item(a.child)
         w, t = parse_scale(scale)
         out = child(a, w, t, per_scale.get(scale.lower(), default_s), variant)
-        print(json.dumps(out | {"rep": int(rep or 0)}))
+        print(json.dumps(out | {"rep": rep}))
         return
     variants = a.variants.split(",")
     for v in variants:
@@ -393,15 +402,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fl-scale-") as tmp:
         envs = variant_envs(variants, a.base, a.alt_python, Path(tmp))
         if a.base:
-            extra["base_commit"] = subprocess.run(
-                ["git", "-C", str(ROOT), "rev-parse", "--short", a.base], check=True,
-                capture_output=True, text=True).stdout.strip()
-        def variant(item: str) -> str:
-            return item.partition("@")[2].partition("#")[0]
-
+            extra["base_commit"] = short_rev(a.base)
         runs, (load0, load1) = run_children(
-            __file__, items, lambda item: envs[variant(item)],
-            lambda item: a.alt_python if variant(item).startswith(ALT_PREFIX) else None)
+            __file__, items, lambda item: envs[parse_item(item)[1]],
+            lambda item: a.alt_python if parse_item(item)[1].startswith(ALT_PREFIX) else None)
     body = report(runs, extra.get("base_commit"))
     body += f"\n\nLoad average before / after: {load0} / {load1}.\n"
     md, js = write_results(a.out, TITLE, body, {"runs": runs, "load_avg": [load0, load1],

@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +61,7 @@ if str(ROOT) not in sys.path:
 from bench.fidelity_load import prompt_of  # noqa: E402
 from bench.fidelity_real import machine_ticks, proc_cpu_s  # noqa: E402
 from bench.fleet import Fleet, WorkerSpec, base_tree  # noqa: E402
-from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
+from bench.harness import RunMeta, run_interleaved, short_rev, write_results  # noqa: E402
 from bench.render_worker_tokens import HOW_TO_READ, TITLE, VARIANT_LABELS, report  # noqa: E402
 from fairlane.embedded import NatsServer  # noqa: E402
 from producer.client import FairlaneClient, RequestError, RequestSpec, SamplingParams  # noqa: E402
@@ -224,8 +223,7 @@ class Bench:
 
 async def amain(args: argparse.Namespace) -> int:
     meta = RunMeta.here()
-    base_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
-                                 check=True, capture_output=True, text=True).stdout.strip()
+    base_commit = short_rev(args.base)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fl-wtok-") as tmp:
         tree = base_tree(args.base, Path(tmp) / "base")

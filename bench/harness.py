@@ -229,6 +229,13 @@ def git_commit(cwd: Path = ROOT) -> str:
     return format_commit(rev, status)
 
 
+def short_rev(rev: str, cwd: Path = ROOT) -> str:
+    """`rev` (a branch, HEAD, a hash) as its short hash; CalledProcessError if git does
+    not know it. What a results file names a --base commit by."""
+    return subprocess.run(["git", "-C", str(cwd), "rev-parse", "--short", rev], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
     """How this script was started, as a shell would take it back."""
     argv = list(sys.argv if argv is None else argv)

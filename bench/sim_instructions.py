@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RunMeta, interleaved_order, write_results  # noqa: E402
+from bench.harness import RunMeta, interleaved_order, short_rev, write_results  # noqa: E402
 from bench.render_instructions import HOW_TO_READ, TITLE, report, setup_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,8 @@ def child(workers: int, tenants: int, duration_s: float) -> dict:
                   FleetSettings(num_workers=workers, max_num_seqs=32))
     fleet.run(wl.arrivals(), duration_s)
     summary = json.dumps(recorder.summary(), sort_keys=True, default=str)
-    return {"arrivals": fleet.num_arrivals, "events": fleet.num_events,
+    return {"python": f"{platform.python_version()} ({sys.executable})",
+            "arrivals": fleet.num_arrivals, "events": fleet.num_events,
             "summary_sha256": hashlib.sha256(summary.encode()).hexdigest()[:16]}
 
 
@@ -111,13 +113,9 @@ def main() -> None:
         for rep, v in interleaved_order(list(pythons), a.reps):
             print(f"{v} rep {rep} ...", file=sys.stderr, flush=True)
             run = measure(pythons[v], envs[v], a.scale, a.duration_s, Path(tmp))
-            py = subprocess.run([pythons[v], "-c", "import platform; print(platform.python_version())"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-            runs.append(run | {"variant": v, "rep": rep, "python": f"{py} ({pythons[v]})"})
+            runs.append(run | {"variant": v, "rep": rep})
     data = {"runs": runs, "scale": a.scale, "duration_s": a.duration_s,
-            "base_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.base],
-                                          capture_output=True, text=True, check=True).stdout.strip()
-            if a.base else None}
+            "base_commit": short_rev(a.base) if a.base else None}
     body = setup_line(data) + "\n\n" + report(data)
     md, js = write_results(a.out, TITLE, body, data, meta, HOW_TO_READ)
     print(body)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import short_rev
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -27,14 +29,12 @@ def test_a_base_commits_simulator_runs_beside_this_ones(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())["data"]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout.strip()
-    assert data["base_commit"] == head
+    assert data["base_commit"] == short_rev("HEAD")
     # Interleaved, the order alternated; the same simulation either way (same commit).
     assert [r["variant"] for r in data["runs"]] == [
         "base-interpreted", "interpreted", "interpreted", "base-interpreted"]
     assert len({(r["arrivals"], r["events"], r["ttft_p99_s"]) for r in data["runs"]}) == 1
-    assert f"the simulator of commit {head} (`--base`)" in out.read_text()
+    assert f"the simulator of commit {short_rev('HEAD')} (`--base`)" in out.read_text()
 
 
 def test_an_alt_interpreter_runs_its_variants(tmp_path):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import short_rev
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -26,9 +28,7 @@ def test_the_bench_compares_a_commits_worker_with_this_ones(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())["data"]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout.strip()
-    assert data["base_commit"] == head
+    assert data["base_commit"] == short_rev("HEAD")
     runs = {r["variant"]: r for r in data["records"]}
     assert set(runs) == {"default:base", "default:now", "default:now-c0"}
     for r in runs.values():
