@@ -38,7 +38,7 @@ from typing import Any
 import structlog
 
 from gpu_worker.sim.prefix_cache import PrefixCache
-from gpu_worker.sim.step_model import StepModel
+from gpu_worker.sim.step_model import StepModel, prefill_ms
 
 log = structlog.get_logger(__name__)
 
@@ -382,8 +382,7 @@ class BatchCore:
         base_ms, per_seq_ms, per_kv_ms, prefill_per_s = self._step_costs
         n = len(self.running)
         a_ms = base_ms + per_seq_ms * n + per_kv_ms * (self._kv_off + n * self._D)
-        # The prefill as StepModel.prefill_ms computes it (the same rounding).
-        return a_ms, per_kv_ms * n, 1000.0 * prefill_tokens / prefill_per_s if prefill_tokens else 0.0
+        return a_ms, per_kv_ms * n, prefill_ms(prefill_tokens, prefill_per_s) if prefill_tokens else 0.0
 
     def run_ms(self, num_steps: int, prefill_tokens: int) -> list[float]:
         """End times (ms from now) of each step of a run of `num_steps` (see run_steps)."""

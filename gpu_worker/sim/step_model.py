@@ -53,6 +53,12 @@ class StepModelError(ValueError):
     with the field path when raised from validation)."""
 
 
+def prefill_ms(num_tokens: int, prefill_tokens_per_s: float) -> float:
+    """A prefill's duration: the one formula, for `StepModel.prefill_ms` and for callers
+    that keep the rate as a float (`BatchCore.run_coeffs`, compiled)."""
+    return 1000.0 * num_tokens / prefill_tokens_per_s
+
+
 class StepModel(msgspec.Struct, kw_only=True):
     name: str
     max_num_seqs: int
@@ -88,7 +94,7 @@ class StepModel(msgspec.Struct, kw_only=True):
         return math.ceil(num_tokens / self.kv_block_size_tokens)
 
     def prefill_ms(self, num_tokens: int) -> float:
-        return 1000.0 * num_tokens / self.prefill_tokens_per_s
+        return prefill_ms(num_tokens, self.prefill_tokens_per_s)
 
     def step_ms(self, num_running: int, kv_tokens_in_use: int, prefill_tokens: int = 0) -> float:
         """Simulated duration of one engine step (see the module docstring)."""
