@@ -81,7 +81,14 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import RunMeta, run_children, short_rev, write_results  # noqa: E402
-from bench.render_scale import TARGET_SCALE, find_runs, scale_table, target_line  # noqa: E402
+from bench.render_scale import (  # noqa: E402
+    ALT_PREFIX,
+    BASE_PREFIX,
+    TARGET_SCALE,
+    find_runs,
+    scale_table,
+    target_line,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "simulate_scale.md"
@@ -154,10 +161,6 @@ def build_workload(workers: int, tenants: int, duration_s: float, slots: int, lo
     wl = workload_from_dict(doc)
     return wl, {"requests_per_s": wl.expected_requests() / duration_s,
                 "traffic_vs_scale_yaml": factor, "class_counts": counts}
-
-
-BASE_PREFIX = "base-"  # a variant run from the --base commit's simulator
-ALT_PREFIX = "alt-"  # a variant run by the --alt-python interpreter
 
 
 def parse_variant(variant: str) -> tuple[str, int]:

@@ -134,6 +134,10 @@ POOLS_TEXT = (
     "the pools' recorders (`perf_counter`); *cpu s*: the pools' process time, summed; ")
 
 
+BASE_PREFIX = "base-"  # a variant run from the --base commit's simulator
+ALT_PREFIX = "alt-"  # a variant run by the --alt-python interpreter
+
+
 def _python(r: dict) -> str:
     how = "its libpython a shared library" if r["libpython_shared"] else \
         "the interpreter linked into the executable"
@@ -142,8 +146,8 @@ def _python(r: dict) -> str:
 
 def python_text(runs: list[dict]) -> str:
     """Which interpreter ran the rows, when some ran under --alt-python."""
-    alt = [r for r in runs if variant_of(r).startswith("alt-") and "python" in r]
-    own = [r for r in runs if not variant_of(r).startswith("alt-") and "python" in r]
+    alt = [r for r in runs if variant_of(r).startswith(ALT_PREFIX) and "python" in r]
+    own = [r for r in runs if not variant_of(r).startswith(ALT_PREFIX) and "python" in r]
     if not alt or not own:
         return ""
     return (f"*alt-...*: the same variant run by {_python(alt[0])}, the others by "
@@ -206,7 +210,7 @@ def summary_scale(res: Results) -> list[str]:
     # The headline is the fleet the target names, one pool, this code (not a --base
     # commit's) under the bench's own interpreter: its fastest variant.
     one_pool = [g for g in find_runs(data, TARGET_SCALE) if "-pools" not in variant_of(g[0])
-                and not variant_of(g[0]).startswith(("base-", "alt-"))]
+                and not variant_of(g[0]).startswith((BASE_PREFIX, ALT_PREFIX))]
     g = min(one_pool, key=hour_s) if one_pool else None
     if g is None:
         raise RenderError(f"no {TARGET_SCALE[0]:,} x {TARGET_SCALE[1]:,} run in {STEM}.json")
