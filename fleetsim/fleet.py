@@ -33,8 +33,10 @@ from itertools import chain
 
 # Names, not `actions.X`: compiled, a module attribute is a lookup on every use.
 from dispatcher.scheduler.actions import (
+    Ack,
     Action,
     CheckStarted,
+    Hold,
     Preempt,
     Released,
     Requeued,
@@ -49,8 +51,8 @@ from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
 from fleetsim.events import event_heap
 from fleetsim.records import Arrival, Sink, StopRun, TenantTable
-from fleetsim.state import FleetSettings, Pull, Req, Run, Worker
-from gpu_worker.room import pull_room
+from fleetsim.state import FleetSettings, Pull, PullLine, Req, Run, Worker
+from gpu_worker.room import pull_room_of
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
 
@@ -81,14 +83,15 @@ class Fleet:
         self.max_seq_len = self.workers[0].core.max_seq_len(self.s.max_model_len)
         self._events = event_heap()  # timers and step ends
         self._net: deque[tuple[float, int, Callable, object]] = deque()  # in time order
-        self._expiries: deque[tuple[float, int, int]] = deque()  # (time, seq, pull key)
+        self._expiries: deque[tuple[float, int, Pull]] = deque()  # (time, seq, pull)
         self._seq = 0  # the last event's number (an int: next() on a count is a generic call)
         # Waiting pulls by arrival, those with a free slot apart (served first); the
         # pulls a serving pass gave work to (`_take`), answered at its end.
-        self._pulls_free: dict[int, Pull] = {}
-        self._pulls_prefetch: dict[int, Pull] = {}
+        self._pulls_free, self._pulls_prefetch = PullLine(), PullLine()
         self._served: list[Pull] = []
-        self._pull_key = 0  # the last pull's key
+        # `spread`'s callbacks, bound once (compiled, `self._take` is a new object each use)
+        self._take_fn: Callable[[Pull, int], int] = self._take
+        self._num_queued_fn: Callable[[], int] = self._num_queued
         self.now_ms = self.end_ms = 0.0  # end_ms: where `run` ended (duration, StopRun)
         self.num_events = self.num_preemptions = self.num_arrivals = 0
 
@@ -184,29 +187,30 @@ class Fleet:
         self._serve_pulls()
 
     def _apply(self, actions: list[Action]) -> None:
+        # isinstance, not `match`: compiled, a class pattern that fails looks the
+        # action's `__class__` up generically; isinstance is a type check.
         wake = False
         for a in actions:
-            match a:
-                case SendError(code=code):
-                    r: Req = a.request.payload
-                    self.sink.on_rejected(r.arrival.tenant, self.now_ms / 1000, code.value)
-                case CheckStarted():
-                    r = a.request.payload
-                    self._apply(self.core.on_start_checked(a.request.request_id, r.started,
-                                                           self.now_ms))
-                case Preempt(worker_id=worker_id, dispatch=d):
-                    self.num_preemptions += 1
-                    self._send(self._on_preempt_order,
-                               (self._by_id[worker_id], a.request.request_id, d))
-                case Requeued() | Released():
-                    wake = True
-                case _:
-                    pass  # Hold / Ack / Term / Nak / Defer / Adopted: JetStream bookkeeping
+            if isinstance(a, Hold) or isinstance(a, Ack):  # the most common
+                continue  # JetStream bookkeeping (as Term, Nak, Defer, Adopted)
+            if isinstance(a, SendError):
+                r: Req = a.request.payload
+                self.sink.on_rejected(r.arrival.tenant, self.now_ms / 1000, a.code.value)
+            elif isinstance(a, CheckStarted):
+                r = a.request.payload
+                self._apply(self.core.on_start_checked(a.request.request_id, r.started,
+                                                       self.now_ms))
+            elif isinstance(a, Preempt):
+                self.num_preemptions += 1
+                self._send(self._on_preempt_order,
+                           (self._by_id[a.worker_id], a.request.request_id, a.dispatch))
+            elif isinstance(a, Requeued) or isinstance(a, Released):
+                wake = True
         if wake:
             self._serve_pulls()
 
     def _maybe_preempt(self) -> None:
-        if self.scheduler.num_queued and not self._pulls_free:
+        if self.scheduler.num_queued and not self._pulls_free.num_waiting:
             self._apply(self.core.preemptions(self.now_ms, 0))
 
     def _serve_pulls(self) -> None:
@@ -216,15 +220,12 @@ class Fleet:
         # As `dispatcher.service`: free slots first, then prefetch room, each spread
         # evenly over the waiting pulls in arrival order (`scheduler.spread`).
         free, prefetch = self._pulls_free, self._pulls_prefetch
-        served = self._served
-        if spread(free.values(), self._num_queued, self._take, Pull.room_now) \
-                and self.scheduler.num_queued:
-            spread(chain(free.values(), prefetch.values()), self._num_queued,
-                   self._take, Pull.room)
+        served, num_queued, take = self._served, self._num_queued_fn, self._take_fn
+        if spread(free, num_queued, take, Pull.room_now) and self.scheduler.num_queued:
+            spread(chain(free, prefetch), num_queued, take, Pull.room)
         if served:
             for p in served:
-                if free.pop(p.key, None) is None:
-                    del prefetch[p.key]
+                (free if p.free_slots else prefetch).remove(p)
                 self._send(self._on_batch, (p.worker, p.given))
             served.clear()
         self._maybe_preempt()
@@ -240,15 +241,13 @@ class Fleet:
         # Whether select finds something does not depend on the (live) pull, and a
         # select that finds nothing leaves nothing behind that would make the next one
         # find something (DRR/VTC park the blocked tenants, fifo puts back what it
-        # scanned), so every other pull would get nothing too: `spread` stops there
-        # (in the dispatcher too).
+        # scanned): no other pull would get any; `spread` stops there (as the dispatcher).
         if got > 0 and first:
             self._served.append(p)
         return got
 
-    def _expire_pull(self, key: int) -> None:
-        p = self._pulls_free.pop(key, None) or self._pulls_prefetch.pop(key, None)
-        if p is not None:
+    def _expire_pull(self, p: Pull) -> None:
+        if (self._pulls_free if p.free_slots else self._pulls_prefetch).remove(p):
             self._send(self._on_batch, (p.worker, []))
 
     def _housekeeping(self, _: object) -> None:
@@ -268,10 +267,9 @@ class Fleet:
 
     def _on_pull(self, p: Pull) -> None:
         self._apply(self.core.on_pull(p.worker.worker_id, p.free_kv_tokens, self.now_ms))
-        p.key = key = self._pull_key = self._pull_key + 1
-        (self._pulls_free if p.free_slots else self._pulls_prefetch)[key] = p
+        (self._pulls_free if p.free_slots else self._pulls_prefetch).add(p)
         # expires_ms is now + pull_wait_ms (sent network_ms ago, it waits that long here)
-        self._expiries.append((p.expires_ms, self._next_seq(), key))
+        self._expiries.append((p.expires_ms, self._next_seq(), p))
         self._serve_pulls()
 
     def _on_started(self, arg: tuple[Worker, str]) -> None:
@@ -316,14 +314,16 @@ class Fleet:
         """The worker's pull loop: ask for work when there is room (`gpu_worker.room`)."""
         if w.pulling:
             return
-        room, free_slots, free_kv = pull_room(self._load(w.core), len(w.seqs),
-                                              w.core.max_num_seqs, self.s.prefetch_seqs)
+        core = w.core
+        room, free_slots, free_kv = pull_room_of(
+            len(core.running), core.num_waiting, core.free_blocks * core.block_size,
+            len(w.seqs), core.max_num_seqs, self.s.prefetch_seqs)
         if room <= 0:
             return  # asks again when a slot frees (a finish)
         w.pulling = True
-        t = self.now_ms + self.s.network_ms
-        self._send(self._on_pull, Pull(max_items=room, free_slots=free_slots, free_kv_tokens=free_kv,
-                                       worker=w, expires_ms=t + self.s.pull_wait_ms))
+        expires_ms = self.now_ms + self.s.network_ms + self.s.pull_wait_ms
+        self._send(self._on_pull, Pull(max_items=room, free_slots=free_slots,
+                                       free_kv_tokens=free_kv, worker=w, expires_ms=expires_ms))
 
     def _on_batch(self, arg: tuple[Worker, list[Dispatch]]) -> None:
         w, items = arg

@@ -18,7 +18,7 @@ from dispatcher.scheduler.types import QueuedRequest
 from fairlane.poolconfig import PreemptionConfig, SchedulerConfig, TenantConfig
 from fleetsim.fleet import Fleet, FleetSettings
 from fleetsim.records import Arrival, TenantTable
-from fleetsim.state import Pull
+from fleetsim.state import Pull, PullLine
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -282,17 +282,48 @@ def test_queued_work_goes_to_free_slots_first_spread_over_the_pulls():
     t = table("a")
     fleet = Fleet(config(t), t, Collect(), FleetSettings(num_workers=2, max_num_seqs=8))
     a, b = fleet.workers
-    for key, (w, max_items, free_slots) in enumerate([(a, 5, 1), (b, 7, 3)]):
+    for w, max_items, free_slots in [(a, 5, 1), (b, 7, 3)]:
         fleet.core.on_pull(w.worker_id, 0, 0.0)
-        fleet._pulls_free[key] = Pull(max_items=max_items, free_slots=free_slots,
-                                      free_kv_tokens=0, key=key, worker=w, expires_ms=1_000.0)
+        fleet._pulls_free.add(Pull(max_items=max_items, free_slots=free_slots,
+                                   free_kv_tokens=0, worker=w, expires_ms=1_000.0))
     for i in range(4):
         fleet.core.submit(QueuedRequest(f"r{i}", "a", "standard", 32, 64, 64), 0.0)
     fleet._serve_pulls()
     batches = {arg[0].worker_id: len(arg[1]) for _, _, fn, arg in fleet._net
                if getattr(fn, "__name__", "") == "_on_batch"}
     assert batches == {a.worker_id: 1, b.worker_id: 3}
-    assert not fleet._pulls_free and fleet.scheduler.num_queued == 0
+    assert fleet._pulls_free.num_waiting == 0 and fleet.scheduler.num_queued == 0
+
+
+def test_a_pull_line_keeps_arrival_order_and_spread_passes_over_pulls_that_left():
+    """Pulls that leave the line (answered, expired) from its middle stay in it until
+    they reach the front, but with no room: `spread` hands out work as if they were
+    gone, and a pull never leaves twice."""
+    from dispatcher.scheduler.spread import spread
+
+    t = table("a")
+    fleet = Fleet(config(t), t, Collect(), FleetSettings(num_workers=1))
+    line = PullLine()
+    pulls = [Pull(max_items=2, free_slots=2, free_kv_tokens=0, worker=fleet.workers[0],
+                  expires_ms=1_000.0) for _ in range(4)]
+    for p in pulls:
+        line.add(p)
+    assert line.remove(pulls[1]) and not line.remove(pulls[1])
+    assert line.num_waiting == 3 and list(line) == pulls  # marked, still in place
+    queued = [5]
+    got: list[tuple[int, int]] = []
+
+    def take(p: Pull, n: int) -> int:
+        n = min(n, queued[0])
+        queued[0] -= n
+        got.append((pulls.index(p), n))
+        return n
+
+    spread(line, lambda: queued[0], take, Pull.room_now)
+    assert got == [(0, 1), (2, 1), (3, 1), (0, 1), (2, 1)]  # one each, then water-filled
+    assert line.remove(pulls[0]) and list(line) == pulls[2:]  # the front drops at once
+    assert line.remove(pulls[2]) and line.remove(pulls[3]) and not line
+    assert list(line) == []
 
 
 def test_messages_timers_and_expiries_run_in_one_time_then_schedule_order():
@@ -305,7 +336,9 @@ def test_messages_timers_and_expiries_run_in_one_time_then_schedule_order():
     fleet._at(0.5, ran.append, "timer 1")
     fleet._send(ran.append, "message 2")  # now 0: at 0.5, scheduled after timer 1
     fleet._at(0.5, ran.append, "timer 3")
-    fleet._expiries.append((0.5, fleet._next_seq(), -1))  # no such pull: a no-op
+    gone = Pull(max_items=1, free_slots=1, free_kv_tokens=0, worker=fleet.workers[0],
+                expires_ms=0.5)  # answered already (never added): its expiry is a no-op
+    fleet._expiries.append((0.5, fleet._next_seq(), gone))
     fleet._send(ran.append, "message 4")
     fleet._at(0.25, ran.append, "timer 0")
     fleet._at(0.75, ran.append, "timer 5")
