@@ -16,19 +16,20 @@ latency per request would not fit beside the simulation, so `Recorder` keeps:
   throughput over time.
 - **Fleet samples** (`sample`) averaged into at most `max_sample_points` time buckets.
 
-The hot path (one call per event, tens of millions of them) only extends a flat
-float64 `array.array` per event kind (~0.2 us); every `flush_every` events the buffers
-are folded into the numpy state at once, where the per-event work is vectorised. (A
-list per kind executes ~5% fewer instructions in a compiled run, as `array.extend`
-converts each number through the C API's argument parser, but holds a Python float per
-number until the flush: +20 MB per process, and in bench/results/simulate_scale_base.md
-two pools side by side ran slower with it in 4 of 5 repetitions; so not.)
+The hot path (one call per event, tens of millions of them) only packs the event's
+numbers as float64s into a buffer per event kind (`_Rows`); every `flush_every` events
+the buffers are folded into the numpy state at once, where the per-event work is
+vectorised. (The buffers were `array('d')`s extended with a tuple, which converts each
+number through the C API's argument parser: ~2,900 instructions an event, ~5% of a
+compiled run. A list per kind is cheaper to fill, but holds a Python float per number
+until the flush: +20 MB per process, and in bench/results/simulate_scale_base.md two
+pools side by side ran slower with it in 4 of 5 repetitions.)
 """
 
 from __future__ import annotations
 
 import math
-from array import array
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,11 +109,11 @@ class Recorder:
         self.sample_bucket_s = self.duration_s / self.max_sample_points
         self.samp = np.zeros((self.max_sample_points, ntiers + 4))  # t, queued..., running, busy, n
         self.end_s = 0.0
-        # Pending events, row after row in one flat float64 array per kind (no Python
-        # objects, and one call per event); columns as in `flush`. Tenant indices and
-        # token counts are exact in a double up to 2**53.
-        self._first, self._fin, self._tok = array("d"), array("d"), array("d")
-        self._rej, self._pre, self._rec = array("d"), array("d"), array("d")
+        # Pending events, a row of float64s each, per kind (no Python objects, and one
+        # call per event); columns as in `flush`. Tenant indices and token counts are
+        # exact in a double up to 2**53.
+        self._first, self._fin, self._tok = _Rows(3), _Rows(6), _Rows(4)
+        self._rej, self._pre, self._rec = _Rows(3), _Rows(2), _Rows(3)
 
     # --- Sink (hot path: one extend of a flat float64 buffer, folded in `flush`) ------
 
@@ -120,34 +121,41 @@ class Recorder:
         c = self.codes.get(code)
         if c is None:
             c = self.codes[code] = len(self.codes)
-        self._rej.extend((tenant, t_s, c))
-        if len(self._rej) >= 3 * self.flush_every:
+        rows = self._rej
+        rows.pack_into(rows.buf, rows.next_row(), tenant, t_s, c)
+        if rows.n >= self.flush_every:
             self.flush()
 
     def on_first_token(self, tenant: int, t_s: float, ttft_s: float) -> None:
-        self._first.extend((tenant, t_s, ttft_s))
-        if len(self._first) >= 3 * self.flush_every:
+        rows = self._first
+        rows.pack_into(rows.buf, rows.next_row(), tenant, t_s, ttft_s)
+        if rows.n >= self.flush_every:
             self.flush()
 
     def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
                     output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0) -> None:
-        self._fin.extend((tenant, t_s, e2e_s, ttft_s, output_tokens, preemptions))
-        if len(self._fin) >= 6 * self.flush_every:
+        rows = self._fin
+        rows.pack_into(rows.buf, rows.next_row(), tenant, t_s, e2e_s, ttft_s, output_tokens,
+                       preemptions)
+        if rows.n >= self.flush_every:
             self.flush()
 
     def on_tokens(self, tenant: int, start_s: float, end_s: float, num_tokens: int) -> None:
-        self._tok.extend((tenant, end_s, start_s, num_tokens))
-        if len(self._tok) >= 4 * self.flush_every:
+        rows = self._tok
+        rows.pack_into(rows.buf, rows.next_row(), tenant, end_s, start_s, num_tokens)
+        if rows.n >= self.flush_every:
             self.flush()
 
     def on_preempted(self, tenant: int, t_s: float) -> None:
-        self._pre.extend((tenant, t_s))
-        if len(self._pre) >= 2 * self.flush_every:
+        rows = self._pre
+        rows.pack_into(rows.buf, rows.next_row(), tenant, t_s)
+        if rows.n >= self.flush_every:
             self.flush()
 
     def on_recomputed(self, tenant: int, t_s: float, num_tokens: int) -> None:
-        self._rec.extend((tenant, t_s, num_tokens))
-        if len(self._rec) >= 3 * self.flush_every:
+        rows = self._rec
+        rows.pack_into(rows.buf, rows.next_row(), tenant, t_s, num_tokens)
+        if rows.n >= self.flush_every:
             self.flush()
 
     def sample(self, t_s: float, queued_by_tier: list[int], running: int,
@@ -176,9 +184,8 @@ class Recorder:
 
     def flush(self) -> None:
         """Fold every pending event into the numpy state (also done by `summary`)."""
-        first, fin, tok, rej, pre, rec = (_take(b, k) for b, k in (
-            (self._first, 3), (self._fin, 6), (self._tok, 4), (self._rej, 3), (self._pre, 2),
-            (self._rec, 3)))
+        first, fin, tok, rej, pre, rec = (b.take() for b in (
+            self._first, self._fin, self._tok, self._rej, self._pre, self._rec))
         batches = (first, fin, tok, rej, pre, rec)
         # Column 0 is the tenant and column 1 the event's time in every kind.
         tenants = np.concatenate([b[:, 0] for b in batches]).astype(np.int64)
@@ -462,8 +469,29 @@ def _pooled(h: LogHist) -> dict[str, Any]:
     return pooled.stats(0)
 
 
-def _take(buf: array, width: int) -> np.ndarray:
-    """The buffer's rows as a (rows, width) array; the buffer is emptied."""
-    rows = np.array(buf, dtype=np.float64).reshape(-1, width)
-    del buf[:]
-    return rows
+class _Rows:
+    """One event kind's pending events: rows of `width` float64s, packed in place
+    (`pack_into(buf, next_row(), *numbers)`: each number converted as a float, in C,
+    and no object kept). The buffer doubles when full and is kept between flushes."""
+
+    def __init__(self, width: int, rows: int = 256) -> None:
+        self.width = width
+        self.row_bytes = 8 * width
+        self.pack_into = struct.Struct(f"{width}d").pack_into  # native: no conversion
+        self.buf = bytearray(self.row_bytes * rows)
+        self.capacity = rows
+        self.n = 0  # rows pending
+
+    def next_row(self) -> int:
+        """The byte offset of a new row (the buffer grows to hold it)."""
+        if self.n == self.capacity:
+            self.buf.extend(bytes(len(self.buf)))
+            self.capacity *= 2
+        self.n += 1
+        return (self.n - 1) * self.row_bytes
+
+    def take(self) -> np.ndarray:
+        """The pending rows as a (rows, width) array (a copy); none are pending after."""
+        rows = np.frombuffer(self.buf, dtype=np.float64, count=self.n * self.width).copy()
+        self.n = 0
+        return rows.reshape(-1, self.width)
