@@ -128,6 +128,22 @@ class _Uniform(Dist):
         return self.lo + min(int(rng.random() * self.span), self.span - 1)
 
 
+def gauss(rng: random.Random, mu: float, sigma: float) -> float:
+    """rng.gauss(mu, sigma), written out as random.py has it (its second value kept on
+    `rng` for the next call included): the same draws, without a call into interpreted
+    code per request (~1.5% of a compiled run)."""
+    # gauss_next: random.Random's own state, which typeshed does not declare.
+    z: float | None = rng.gauss_next  # type: ignore[attr-defined]
+    rng.gauss_next = None  # type: ignore[attr-defined]
+    if z is None:
+        rand = rng.random
+        x2pi = rand() * (2.0 * math.pi)
+        g2rad = math.sqrt(-2.0 * math.log(1.0 - rand()))
+        z = math.cos(x2pi) * g2rad
+        rng.gauss_next = math.sin(x2pi) * g2rad  # type: ignore[attr-defined]
+    return mu + z * sigma
+
+
 class _Clipped(Dist):
     """lognormal (`mean` is the distribution's mean in tokens, not the log's) or normal,
     rounded and clipped to [lo, hi]; clipping moves the mean slightly."""
@@ -141,7 +157,7 @@ class _Clipped(Dist):
         self.spread = spread
 
     def draw(self, rng: random.Random) -> int:
-        x = rng.gauss(self.mu, self.spread)
+        x = gauss(rng, self.mu, self.spread)
         if self.lognormal:
             x = math.exp(min(x, 700.0))  # exp overflows past ~709
         return int(min(max(round(x), self.lo), self.hi))
