@@ -23,7 +23,7 @@ from heapq import heapify, heappop, heappush  # by name: compiled, heapq.x is a 
 from dispatcher.scheduler.actions import SendError
 from dispatcher.scheduler.cost import make_cost_model
 from dispatcher.scheduler.loads import TenantChanges, TenantLoad, TenantLoads
-from dispatcher.scheduler.policies import Policy, make_policy
+from dispatcher.scheduler.policies import Eligible, Policy, make_policy
 from dispatcher.scheduler.preempt import Preemptor, WorkerOf, continuation_cost
 from dispatcher.scheduler.running import RunningIndex
 from dispatcher.scheduler.tenant_queue import shed_victims
@@ -70,6 +70,9 @@ class Scheduler:
         self.drops: Counter[ErrorCode] = Counter()  # queued work removed (expired, shed)
         self.num_dispatched = 0
         self.preemptor = Preemptor()  # fleet-level preemption (DESIGN.md 5b)
+        # `within_quota` bound once: every pick hands it to the policy, and compiled
+        # (`fairlane simulate --compiled`) `self.within_quota` is a new object each time.
+        self._eligible: Eligible = self.within_quota
 
     # --- queries -----------------------------------------------------------------------
 
@@ -254,7 +257,7 @@ class Scheduler:
         # Try tiers in the selector's order; a tier whose tenants are all quota-blocked
         # yields nothing and the next one is tried (work conservation).
         for i in self.tiers.order(now_ms):
-            req = self.policy.pop(self.tiers.tiers[i].name, self.within_quota, now_ms)
+            req = self.policy.pop(self.tiers.tiers[i].name, self._eligible, now_ms)
             if req is not None:
                 return req
         return None
@@ -269,7 +272,7 @@ class Scheduler:
         while len(out) < max_items and self._queued:
             # A slot freed by preemption (or any slot, if that comes first) goes to the
             # waiting request it was taken for, not by the policy (`preempt`).
-            held = self.preemptor.next_held(self._queued, self.within_quota) \
+            held = self.preemptor.next_held(self._queued, self._eligible) \
                 if self.preemptor.held else None
             req = held or self._pick(now_ms)
             if req is None:
