@@ -115,7 +115,7 @@ class Recorder:
         self._first, self._fin, self._tok = _Rows(3), _Rows(6), _Rows(4)
         self._rej, self._pre, self._rec = _Rows(3), _Rows(2), _Rows(3)
 
-    # --- Sink (hot path: one extend of a flat float64 buffer, folded in `flush`) ------
+    # --- Sink (hot path: one row packed into a float64 buffer, folded in `flush`) ------
 
     def on_rejected(self, tenant: int, t_s: float, code: str) -> None:
         c = self.codes.get(code)
@@ -477,7 +477,8 @@ class _Rows:
     def __init__(self, width: int, rows: int = 256) -> None:
         self.width = width
         self.row_bytes = 8 * width
-        self.pack_into = struct.Struct(f"{width}d").pack_into  # native: no conversion
+        # Native order and size (no prefix): `take` reads the bytes back as float64s.
+        self.pack_into = struct.Struct(f"{width}d").pack_into
         self.buf = bytearray(self.row_bytes * rows)
         self.capacity = rows
         self.n = 0  # rows pending
