@@ -137,9 +137,6 @@ class PullLine:
     def __iter__(self) -> Iterator[Pull]:
         return iter(self._line)
 
-    def __bool__(self) -> bool:
-        return self.num_waiting > 0
-
     def add(self, p: Pull) -> None:
         p.waiting = True
         self._line.append(p)

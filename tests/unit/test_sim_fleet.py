@@ -322,7 +322,7 @@ def test_a_pull_line_keeps_arrival_order_and_spread_passes_over_pulls_that_left(
     spread(line, lambda: queued[0], take, Pull.room_now)
     assert got == [(0, 1), (2, 1), (3, 1), (0, 1), (2, 1)]  # one each, then water-filled
     assert line.remove(pulls[0]) and list(line) == pulls[2:]  # the front drops at once
-    assert line.remove(pulls[2]) and line.remove(pulls[3]) and not line
+    assert line.remove(pulls[2]) and line.remove(pulls[3]) and line.num_waiting == 0
     assert list(line) == []
 
 
