@@ -132,10 +132,11 @@ class AfterWarmup:
             self.inner.on_first_token(tenant, t_s, ttft_s)
 
     def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
-                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0) -> None:
+                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0,
+                    client_s: float = 0.0) -> None:
         if t_s - e2e_s >= self.warmup_s:
             self.inner.on_finished(tenant, t_s, e2e_s, ttft_s, output_tokens, preemptions,
-                                   worker_ttft_s)
+                                   worker_ttft_s, client_s)
 
     def on_preempted(self, tenant: int, t_s: float) -> None:
         if t_s >= self.warmup_s:

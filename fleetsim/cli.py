@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
+import re
 import resource
 import shlex
 import signal
@@ -35,7 +37,7 @@ PROG = "fairlane simulate"
 # FleetSettings' fields as this command's flags (its errors name the field).
 _FLAG_OF = {"num_workers": "--workers", "max_num_seqs": "--max-num-seqs",
             "prefetch_seqs": "--prefetch-seqs", "network_ms": "--network-ms",
-            "max_model_len": "--max-model-len"}
+            "max_model_len": "--max-model-len", "client_ms": "--client-ms"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="work a worker accepts beyond its batch cap (as gpu_worker)")
     p.add_argument("--network-ms", type=float, default=d.network_ms,
                    help="one dispatcher<->worker message's latency")
+    p.add_argument("--client-ms", metavar="MS[,MS...]|@FILE", default=None,
+                   help="the client's legs (its submit through JetStream to the dispatcher, "
+                        "the tokens' way back), added to each request's TTFT, end-to-end "
+                        "and token times: one value, or measured ones (listed, or a file of "
+                        "numbers) each request draws one of (seeded by the workload's seed); "
+                        "default: not modelled (0)")
     p.add_argument("--policy", choices=("fifo", "drr", "vtc"), default=None,
                    help="override the workload's pool policy")
     p.add_argument("--no-preemption", action="store_true",
@@ -171,6 +179,22 @@ def not_positive(flags: Iterable[tuple[str, float | None]]) -> str | None:
     return None
 
 
+def parse_client_ms(text: str) -> tuple[float, ...]:
+    """--client-ms: numbers separated by commas or whitespace, or `@FILE` holding them."""
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    values = [v for v in re.split(r"[\s,]+", text.strip()) if v]
+    if not values:
+        raise ValueError("no values given")
+    out = []
+    for v in values:
+        try:
+            out.append(float(v))
+        except ValueError:
+            raise ValueError(f"not a number: {v!r}") from None
+    return tuple(out)
+
+
 def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
     """The fleet's settings from the flags, or what is wrong with them (before anything
     is loaded or compiled: a bad flag is answered at once)."""
@@ -192,10 +216,14 @@ def _check_flags(args: argparse.Namespace) -> FleetSettings | str:
         return ("--time-dispatcher with --pools needs --jobs 1: pools running side by side "
                 "share the CPUs the clock measures")
     try:
+        client_ms = parse_client_ms(args.client_ms) if args.client_ms is not None else ()
+    except (OSError, ValueError) as exc:
+        return f"--client-ms: {exc}"
+    try:
         return FleetSettings(num_workers=args.workers, step_model=args.step_model,
                              max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
                              max_model_len=args.max_model_len,
-                             network_ms=args.network_ms,
+                             network_ms=args.network_ms, client_ms=client_ms,
                              hint_output_tokens=args.hint_output_tokens)
     except SettingError as exc:
         return f"{_FLAG_OF.get(exc.name, exc.name)}: {exc.message}"
@@ -231,6 +259,7 @@ def cmd_simulate(argv: list[str]) -> int:
         return 2
     if args.seed is not None:
         wl.seed = args.seed
+    settings = dataclasses.replace(settings, client_seed=wl.seed)  # the legs' draws
     duration_s = wl.duration_s if args.duration_s is None else args.duration_s
     wl.duration_s = duration_s
     cfg = wl.scheduler_config

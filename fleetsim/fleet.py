@@ -21,12 +21,14 @@ the glue the real processes provide over NATS, written as events:
 - heartbeats (every worker's in one event: they beat in step) and housekeeping go to
   the core as the shell sends them, so its liveness rules see a live fleet.
 
-Not modelled: the client and JetStream legs (ingest is instantaneous), faults, the edge's
+The client and JetStream legs are one delay per request (`FleetSettings.client_ms`)
+on what its client sees, ingest itself instantaneous. Not modelled: faults, the edge's
 rate limits, the dispatcher's CPU (decisions take no time: `fleetsim.core_clock`).
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -92,6 +94,7 @@ class Fleet:
         # `spread`'s callbacks, bound once (compiled, `self._take` is a new object each use)
         self._take_fn: Callable[[Pull, int], int] = self._take
         self._num_queued_fn: Callable[[], int] = self._num_queued
+        self._client_ms, self._client_rng = self.s.client_ms, random.Random(self.s.client_seed)
         self.now_ms = self.end_ms = 0.0  # end_ms: where `run` ended (duration, StopRun)
         self.num_events = self.num_preemptions = self.num_arrivals = 0
 
@@ -182,7 +185,9 @@ class Fleet:
             expected_output_tokens=min(a.output_tokens, a.max_tokens)
             if self.s.hint_output_tokens else a.max_tokens,
             priority=a.priority, arrival_ms=self.now_ms)
-        q.payload = Req(a, tenant)
+        q.payload = r = Req(a, tenant)
+        if self._client_ms:  # random(): the same draws under any Python (randrange's vary)
+            r.client_ms = self._client_ms[int(self._client_rng.random() * len(self._client_ms))]
         self._apply(self.core.submit(q, self.now_ms))
         self._serve_pulls()
 
@@ -195,7 +200,8 @@ class Fleet:
                 continue  # JetStream bookkeeping (as Term, Nak, Defer, Adopted)
             if isinstance(a, SendError):
                 r: Req = a.request.payload
-                self.sink.on_rejected(r.arrival.tenant, self.now_ms / 1000, a.code.value)
+                self.sink.on_rejected(r.arrival.tenant, (self.now_ms + r.client_ms) / 1000,
+                                      a.code.value)
             elif isinstance(a, CheckStarted):
                 r = a.request.payload
                 self._apply(self.core.on_start_checked(a.request.request_id, r.started,
@@ -284,12 +290,6 @@ class Fleet:
         w, rid, num_generated = arg
         self._apply(self.core.on_preempted(rid, w.worker_id, num_generated, self.now_ms))
 
-    def _on_heartbeat(self, arg: tuple[Worker, list[str], list[str], EngineLoad]) -> None:
-        w, ids, started, load = arg
-        self._apply(self.core.on_heartbeat(
-            w.worker_id, ids, self.now_ms, interval_ms=self.s.heartbeat_ms, load=load,
-            started_ids=started))
-
     # --- worker side -------------------------------------------------------------------
 
     def _heartbeats(self, _: object) -> None:
@@ -301,8 +301,10 @@ class Fleet:
         self._at(self.now_ms + self.s.heartbeat_ms, self._heartbeats)
 
     def _on_heartbeats(self, beats: list[tuple[Worker, list[str], list[str], EngineLoad]]) -> None:
-        for beat in beats:
-            self._on_heartbeat(beat)
+        for w, ids, started, load in beats:
+            self._apply(self.core.on_heartbeat(w.worker_id, ids, self.now_ms, load=load,
+                                               interval_ms=self.s.heartbeat_ms,
+                                               started_ids=started))
 
     @staticmethod
     def _load(core: BatchCore) -> EngineLoad:
@@ -353,7 +355,8 @@ class Fleet:
     def _refuse_too_long(self, w: Worker, rid: str, r: Req) -> None:
         """PromptTooLong: the client gets its error, the dispatcher a tokenless Finished."""
         a = r.arrival
-        self.sink.on_rejected(a.tenant, self.now_ms / 1000, ErrorCode.PROMPT_TOO_LONG.value)
+        self.sink.on_rejected(a.tenant, (self.now_ms + r.client_ms) / 1000,
+                              ErrorCode.PROMPT_TOO_LONG.value)
         usage = ActualUsage(a.prompt_tokens, 0, 0.0, self.now_ms - a.t_s * 1000)
         self._send(self._on_finished, (w, rid, usage))
 
@@ -391,14 +394,7 @@ class Fleet:
         now = self.now_ms
         if run.end_of(run.k) <= now:
             return  # its end event is due now
-        lo, hi = 0, run.k  # steps done by now: the last j with end_of(j) <= now
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if run.end_of(mid) <= now:
-                lo = mid
-            else:
-                hi = mid
-        done = lo
+        done = run.steps_done_by(now)
         if done:
             w.core.run_steps(done, run.prefill_tokens)
             # The step in progress had its KV growth (the first half of its schedule;
@@ -457,8 +453,9 @@ class Fleet:
                 if r.first_token_ms is None:
                     r.first_token_ms = self.now_ms
                     r.worker_ttft_ms = self.now_ms - r.accepted_ms
-                    self.sink.on_first_token(r.arrival.tenant, self.now_ms / 1000,
-                                             (self.now_ms - r.arrival.t_s * 1000) / 1000)
+                    t_ms = self.now_ms + r.client_ms  # when its client has it
+                    self.sink.on_first_token(r.arrival.tenant, t_ms / 1000,
+                                             (t_ms - r.arrival.t_s * 1000) / 1000)
                 self._send(self._on_started, (w, seq.request_id))
             if seq.num_tokens_left <= 0:
                 self._finish(w, seq)
@@ -471,7 +468,8 @@ class Fleet:
         r: Req = seq.owner
         n = seq.num_output_tokens - r.tok_out
         if n > 0:
-            self.sink.on_tokens(r.arrival.tenant, r.tok_ms / 1000, end_ms / 1000, n)
+            self.sink.on_tokens(r.arrival.tenant, (r.tok_ms + r.client_ms) / 1000,
+                                (end_ms + r.client_ms) / 1000, n)
         r.tok_ms, r.tok_out = end_ms, r.tok_out + n
 
     def _flush_tokens(self) -> None:
@@ -490,11 +488,13 @@ class Fleet:
         w.seqs.pop(seq.request_id, None)
         r: Req = seq.owner
         a = r.arrival
-        e2e_s = (self.now_ms - a.t_s * 1000) / 1000
-        ttft_s = ((r.first_token_ms or self.now_ms) - a.t_s * 1000) / 1000
-        self.sink.on_finished(a.tenant, self.now_ms / 1000, e2e_s, ttft_s,
-                              seq.num_output_tokens, r.preemptions, r.worker_ttft_ms / 1000)
+        e2e_s = (self.now_ms + r.client_ms - a.t_s * 1000) / 1000
+        ttft_s = ((r.first_token_ms or self.now_ms) + r.client_ms - a.t_s * 1000) / 1000
+        self.sink.on_finished(a.tenant, (self.now_ms + r.client_ms) / 1000, e2e_s, ttft_s,
+                              seq.num_output_tokens, r.preemptions, r.worker_ttft_ms / 1000,
+                              r.client_ms / 1000)
         usage = ActualUsage(prompt_tokens=a.prompt_tokens,
                             completion_tokens=seq.num_output_tokens - r.num_generated,
-                            kv_token_seconds=seq.kv_token_seconds, e2e_ms=e2e_s * 1000)
+                            kv_token_seconds=seq.kv_token_seconds,
+                            e2e_ms=e2e_s * 1000 - r.client_ms)  # the fleet's, not the client's
         self._send(self._on_finished, (w, seq.request_id, usage))

@@ -133,7 +133,9 @@ def run_pool(job: Job, pool: int, progress: Callable[[float], None] | None = Non
     mine = {n for i, n in enumerate(tenants.names) if pool_of(i, k) == pool}
     recorder = Recorder(tenants, job.duration_s, job.window_s,
                         detail_tenants=[t for t in job.detail_tenants if t in mine])
-    settings = dataclasses.replace(job.settings, num_workers=workers)
+    # Each pool its own draws of the clients' legs (the same seed would repeat them).
+    settings = dataclasses.replace(job.settings, num_workers=workers,
+                                   client_seed=job.settings.client_seed * k + pool)
     fleet = Fleet(job.config, tenants, recorder, settings)
     clock = CoreClock(fleet.core) if job.time_dispatcher else None
     checkpoints: list[tuple[float, float, float, float]] = []

@@ -133,7 +133,8 @@ class Recorder:
             self.flush()
 
     def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
-                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0) -> None:
+                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0,
+                    client_s: float = 0.0) -> None:
         rows = self._fin
         rows.pack_into(rows.buf, rows.next_row(), tenant, t_s, e2e_s, ttft_s, output_tokens,
                        preemptions)

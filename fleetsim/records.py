@@ -62,11 +62,12 @@ class Sink(Protocol):
         """The request's first token (TTFT from its arrival)."""
 
     def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
-                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0) -> None:
+                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0,
+                    client_s: float = 0.0) -> None:
         """The last token. TPOT = (e2e - ttft) / (output_tokens - 1) when > 1 token.
         `worker_ttft_s`: of the TTFT, the part from a worker receiving the dispatch
-        that made the first token to that token (the rest: the dispatcher's queue and
-        the messages' way)."""
+        that made the first token to that token; `client_s`: its client's legs
+        (`FleetSettings.client_ms`; the rest: the dispatcher's queue and the hops)."""
 
     def on_tokens(self, tenant: int, start_s: float, end_s: float, num_tokens: int) -> None:
         """`num_tokens` generated for the tenant evenly over [start_s, end_s] (for

@@ -36,6 +36,12 @@ class FleetSettings:
     worker_timeout_ms: float = 3_500.0  # dispatcher --worker-timeout-ms
     housekeeping_ms: float = 200.0  # dispatcher --housekeeping-ms
     network_ms: float = 0.5  # one NATS hop between dispatcher and worker
+    # The client's legs (its submit through JetStream to the dispatcher, the tokens'
+    # way back), which the hops above leave out: each request draws one of these
+    # (client_seed), added to what its client sees (TTFT, end-to-end, token times);
+    # one value is a constant, measured ones a distribution; () not modelled (0).
+    client_ms: tuple[float, ...] = ()
+    client_seed: int = 0
     sample_every_s: float = 1.0
     # Clients send `expected_output_tokens` = the length they will get (the benches do:
     # the cost model then charges what is generated); else the core estimates from
@@ -65,6 +71,9 @@ class FleetSettings:
             if not math.isfinite(ms) or ms < 0 or (positive and ms == 0):
                 raise SettingError(name, f"must be a finite number {'>' if positive else '>='} 0, "
                                          f"got {ms}")
+        bad = [ms for ms in self.client_ms if not math.isfinite(ms) or ms < 0]
+        if bad:
+            raise SettingError("client_ms", f"must be finite numbers >= 0, got {bad[0]}")
 
 
 class SettingError(ValueError):
@@ -93,12 +102,13 @@ class Req:
     # its attempt's receipt (the worker-side TTFT, as the real worker's Usage.ttft_ms).
     accepted_ms: float
     worker_ttft_ms: float
+    client_ms: float  # its client's legs (FleetSettings.client_ms), on all it reports
 
     def __init__(self, arrival: Arrival, tenant: str) -> None:
         self.arrival, self.tenant = arrival, tenant
         self.num_generated, self.first_token_ms, self.preemptions = 0, None, 0
         self.started, self.tok_ms, self.tok_out = False, 0.0, 0
-        self.accepted_ms, self.worker_ttft_ms = 0.0, 0.0
+        self.accepted_ms, self.worker_ttft_ms, self.client_ms = 0.0, 0.0, 0.0
 
 
 @dataclass(eq=False, slots=True, kw_only=True, init=False)
@@ -181,6 +191,17 @@ class Run:
         if not j:
             return self.start_ms
         return self.start_ms + (self.pre_ms + self.a_ms * j + self.b_ms * (j * (j - 1) / 2))
+
+    def steps_done_by(self, now_ms: float) -> int:
+        """The last j < k with end_of(j) <= now_ms (0: none; for a run whose end is later)."""
+        lo, hi = 0, self.k
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.end_of(mid) <= now_ms:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
 
 @dataclass(eq=False, slots=True)

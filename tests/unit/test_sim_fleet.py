@@ -44,7 +44,7 @@ class Collect:
         self.ttft[tenant].append((round(t_s - ttft_s, 9), round(ttft_s, 9)))
 
     def on_finished(self, tenant, t_s, e2e_s, ttft_s, output_tokens, preemptions,
-                    worker_ttft_s=0.0):
+                    worker_ttft_s=0.0, client_s=0.0):
         self.finished.append((tenant, round(t_s, 9), round(e2e_s, 9), output_tokens, preemptions))
 
     def on_tokens(self, tenant, start_s, end_s, num_tokens):
