@@ -26,12 +26,15 @@ TTFT p50 and p99, output tokens/s and end-to-end p50 per traffic class, target w
   throughput is the output tokens generated inside that window ÷ its length. After the
   last arrival both keep running `drain_s` for the window's requests to finish; a
   request without its first token by then is censored (counted, not timed).
-- **The simulator's one free parameter**, `network_ms` (every dispatcher<->worker
-  message's latency), is measured before the scenarios, not fitted to them: the idle
-  real fleet's TTFT p50 (sequential 16-token probes) minus the simulator's on the same
-  probes with network_ms 0 (one message lies on an idle fleet's first-token path).
-  That lumps the whole client/JetStream leg, which fleetsim does not model, into one
-  hop; `--network-ms` sets it instead.
+- **The simulator's delays** are measured before the scenarios, on the idle rig, not
+  fitted to them: `network_ms`, one dispatcher<->worker message, is half a core-NATS
+  request-reply round trip (`message_hop_ms`); the clients' legs (fleetsim's
+  `client_ms`: publish, JetStream, the started record's ack, the token's way back,
+  the worker's own time) are each idle probe's real TTFT (sequential 16-token probes)
+  less the simulator's, one drawn per request, so the idle spread is kept.
+  `sim-constant` (run by default, not judged) is the simulator as calibrated before:
+  no legs, and the idle TTFT p50 less the simulator's without hops as `network_ms` on
+  every message. `--network-ms` sets the hop instead, with no legs.
 - Variants interleaved per scenario, the order reversed every other repetition
   (`bench.harness.run_interleaved`); errors are (sim - real) / real per repetition,
   reported as median (min-max) over repetitions (`bench/render_fidelity.py`).
@@ -76,11 +79,26 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import quantile  # noqa: E402
 from bench.fidelity_obs import Observations, class_metrics  # noqa: E402
-from bench.fidelity_real import LIVE_FLEETS, PER_CLASS, SHARED, idle_ttft_ms, run_real  # noqa: E402
+from bench.fidelity_real import (  # noqa: E402
+    LIVE_FLEETS,
+    PER_CLASS,
+    SHARED,
+    idle_ttft_ms,
+    message_hop_ms,
+    run_real,
+)
 from bench.fleet import WorkerSpec  # noqa: E402
 from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
-from bench.render_fidelity import HOW_TO_READ, REAL, REAL_SHARED, SIM, report  # noqa: E402
+from bench.render_fidelity import (  # noqa: E402
+    HOW_TO_READ,
+    REAL,
+    REAL_SHARED,
+    SIM,
+    SIM_CONSTANT,
+    report,
+)
 from fairlane.embedded import NatsServer  # noqa: E402
 from fleetsim.cli import tuned_gc  # noqa: E402
 from fleetsim.fleet import Fleet, FleetSettings  # noqa: E402
@@ -157,11 +175,23 @@ def class_of_tenants(wl: Workload) -> list[str]:
 
 def network_ms_from(real_idle_ttft_ms: list[float], sim_idle_ttft_ms: list[float]) -> float:
     """The simulator's per-message latency that makes its idle first token as late as
-    the real fleet's: the p50 difference (one message lies on that path), >= 0."""
+    the real fleet's: the p50 difference (one message lies on that path), >= 0. The
+    `sim-constant` model's one parameter."""
     if not real_idle_ttft_ms or not sim_idle_ttft_ms:
         raise ValueError("need idle TTFTs from both")
     diff = statistics.median(real_idle_ttft_ms) - statistics.median(sim_idle_ttft_ms)
     return round(max(0.0, diff), 2)
+
+
+def client_legs_from(real_idle_ttft_ms: list[float],
+                     sim_idle_ttft_ms: list[float]) -> tuple[float, ...]:
+    """The `sim` model's clients' legs (`FleetSettings.client_ms`): each idle probe's
+    real TTFT less the simulator's (its hop included), >= 0. What the simulator's idle
+    first token lacks, kept probe by probe: its spread too, not only its median."""
+    if not real_idle_ttft_ms or not sim_idle_ttft_ms:
+        raise ValueError("need idle TTFTs from both")
+    sim = statistics.median(sim_idle_ttft_ms)
+    return tuple(round(max(0.0, x - sim), 3) for x in real_idle_ttft_ms)
 
 
 def idle_probes(n: int, gap_s: float = 0.3, prompt_tokens: int = 32,
@@ -189,11 +219,12 @@ class ObservingSink:
         self.obs.first_token(self.class_of[tenant], t_s - ttft_s, ttft_s)
 
     def on_finished(self, tenant: int, t_s: float, e2e_s: float, ttft_s: float,
-                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0) -> None:
+                    output_tokens: int, preemptions: int, worker_ttft_s: float = 0.0,
+                    client_s: float = 0.0) -> None:
         cls, arrival_s = self.class_of[tenant], t_s - e2e_s
         self.obs.finished(cls, arrival_s, e2e_s, ttft_s, output_tokens)
         if not preemptions:  # its one dispatch took network_ms to reach its worker
-            queue_s = max(0.0, ttft_s - worker_ttft_s - self.network_s)  # not -1e-17
+            queue_s = max(0.0, ttft_s - worker_ttft_s - self.network_s - client_s)  # not -1e-17
             self.obs.ttft_split(cls, arrival_s, ttft_s, queue_s, worker_ttft_s)
 
     def on_tokens(self, tenant: int, start_s: float, end_s: float, num_tokens: int) -> None:
@@ -239,15 +270,15 @@ def sim_idle_ttft_ms(wl: Workload, probes: list[Arrival], settings: FleetSetting
 # --- the benchmark ------------------------------------------------------------------------------
 
 HEARTBEAT_MS = 1000  # the worker's default, and FleetSettings'
-VARIANTS = (SIM, REAL, REAL_SHARED)  # --variants: the first two unless asked
+VARIANTS = (SIM, SIM_CONSTANT, REAL, REAL_SHARED)  # --variants
 
 
-def fleet_settings(args: argparse.Namespace, network_ms: float,
-                   workers: int | None = None) -> FleetSettings:
+def fleet_settings(args: argparse.Namespace, network_ms: float, workers: int | None = None,
+                   client_ms: tuple[float, ...] = (), seed: int = 0) -> FleetSettings:
     return FleetSettings(num_workers=workers or max(args.workers), step_model=args.step_model,
                          max_num_seqs=args.max_num_seqs, prefetch_seqs=args.prefetch_seqs,
-                         network_ms=network_ms, heartbeat_ms=HEARTBEAT_MS,
-                         hint_output_tokens=True)
+                         network_ms=network_ms, client_ms=client_ms, client_seed=seed,
+                         heartbeat_ms=HEARTBEAT_MS, hint_output_tokens=True)
 
 
 def worker_spec(args: argparse.Namespace) -> WorkerSpec:
@@ -283,7 +314,9 @@ class Bench:
     log_root: Path
     run_id: str
     notes: list[str] = field(default_factory=list)
-    network_ms: float = 0.0
+    network_ms: float = 0.0  # sim: one hop, measured
+    client_ms: tuple[float, ...] = ()  # sim: the clients' legs, from the idle probes
+    constant_ms: float = 0.0  # sim-constant: every message, the idle probes' p50
 
     def real_kwargs(self, prefix: str, workers: int) -> dict[str, Any]:
         return {"nats_url": self.nats_url, "prefix": prefix, "workers": workers,
@@ -291,22 +324,32 @@ class Bench:
                 "notes": self.notes}
 
     async def calibrate(self) -> dict[str, Any]:
-        """network_ms: the flag's, or the idle real TTFT p50 minus the simulator's. One
-        value for every fleet size of --workers, measured on the largest: sequential
-        probes meet an idle fleet, whatever its size."""
+        """On the idle rig, never on the scenarios (`sim`): `network_ms` is one message's
+        time (`message_hop_ms`), the clients' legs each idle probe's real TTFT less the
+        simulator's; `sim-constant`: the idle TTFT p50 less the simulator's without
+        hops, on every message. One calibration for every fleet size of --workers,
+        measured on the largest: sequential probes meet an idle fleet, whatever its
+        size. --network-ms: that, no legs, nothing measured."""
         if self.args.network_ms is not None:
-            self.network_ms = self.args.network_ms
+            self.network_ms = self.constant_ms = self.args.network_ms
             return {"value": self.network_ms, "source": "flag"}
         workers = max(self.args.workers)
         wl, doc = load_scenario(next(iter(self.scenarios.values())), workers, 0)
         probes = idle_probes(self.args.idle_probes)
-        sim = sim_idle_ttft_ms(wl, probes, fleet_settings(self.args, 0.0, workers))
         real = await idle_ttft_ms(wl, doc, probes,
                                   **self.real_kwargs(f"fi{self.run_id}cal", workers))
-        self.network_ms = network_ms_from(real, sim)
+        hops = await message_hop_ms(self.nats_url)
+        self.network_ms = round(statistics.median(hops), 3)
+        sim = sim_idle_ttft_ms(wl, probes, fleet_settings(self.args, self.network_ms, workers))
+        sim0 = sim_idle_ttft_ms(wl, probes, fleet_settings(self.args, 0.0, workers))
+        self.client_ms = client_legs_from(real, sim)
+        self.constant_ms = network_ms_from(real, sim0)
         return {"value": self.network_ms, "source": "calibrated", "n": len(real),
+                "hop_n": len(hops), "hop_p99_ms": round(quantile(hops, 0.99), 3),
+                "client_ms": list(self.client_ms), "constant_ms": self.constant_ms,
                 "real_idle_ttft_p50_ms": round(statistics.median(real), 2),
                 "sim_idle_ttft_p50_ms": round(statistics.median(sim), 2),
+                "sim0_idle_ttft_p50_ms": round(statistics.median(sim0), 2),
                 "real_idle_ttft_ms": [round(x, 2) for x in real]}
 
     async def run_one(self, name: str, rep: int) -> dict[str, Any]:
@@ -317,9 +360,12 @@ class Bench:
         arrivals = list(wl.arrivals())
         obs = Observations(s.warmup_s, s.duration_s)
         run_s = s.duration_s + s.drain_s
-        if variant == SIM:
+        if variant == SIM:  # its legs' draws seeded by the repetition, as its arrivals
+            diag = run_sim(wl, arrivals, obs, fleet_settings(
+                self.args, self.network_ms, s.workers, self.client_ms, rep), run_s)
+        elif variant == SIM_CONSTANT:
             diag = run_sim(wl, arrivals, obs,
-                           fleet_settings(self.args, self.network_ms, s.workers), run_s)
+                           fleet_settings(self.args, self.constant_ms, s.workers), run_s)
         else:
             prefix = f"fi{self.run_id}{scen_name[:2]}{s.workers}w{rep}"
             diag = await run_real(wl, doc, arrivals, class_of_tenants(wl), obs, run_s=run_s,
@@ -368,8 +414,10 @@ def variants_of(args: argparse.Namespace) -> list[str]:
     out = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in out if v not in VARIANTS]
     if unknown or SIM not in out or REAL not in out or len(set(out)) != len(out):
-        raise ValueError(f"--variants: {SIM} and {REAL}, optionally {REAL_SHARED}, each once "
-                         f"(got {args.variants!r})")
+        raise ValueError(f"--variants: {SIM} and {REAL}, optionally {SIM_CONSTANT} and "
+                         f"{REAL_SHARED}, each once (got {args.variants!r})")
+    if SIM_CONSTANT in out and args.network_ms is not None:
+        raise ValueError(f"--variants {SIM_CONSTANT} is calibrated: not with --network-ms")
     return out
 
 
@@ -392,19 +440,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--duration-s", type=float, default=None,
                     help="every scenario's arrivals stop here (default: its own, quick 30)")
     ap.add_argument("--network-ms", type=float, default=None,
-                    help="the simulator's message latency (default: calibrated on the idle "
-                         "real fleet)")
+                    help="the simulator's message latency, and no clients' legs (default: "
+                         "both calibrated on the idle real fleet)")
     ap.add_argument("--idle-probes", type=int, default=None,
                     help="sequential probes for the calibration (default 60; quick 30)")
-    ap.add_argument("--variants", default=f"{SIM},{REAL}",
-                    help=f"of: {', '.join(VARIANTS)}; {REAL_SHARED} is the real fleet with one "
-                         "client for every class (the earlier rig), for comparison")
+    ap.add_argument("--variants", default=None,
+                    help=f"of: {', '.join(VARIANTS)} (default: {SIM},{SIM_CONSTANT},{REAL}; "
+                         f"{SIM},{REAL} with --network-ms); {SIM_CONSTANT} is the simulator as "
+                         "calibrated before (one constant on every message), "
+                         f"{REAL_SHARED} the real fleet with one client for every class "
+                         "(the earlier rig), both for comparison")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stem", default="",
                     help="results file name, without .md/.json (default fidelity; quick "
                          "fidelity.quick)")
     ap.add_argument("--log-dir", default="", help="keep process logs here (default: temp)")
     args = ap.parse_args(argv)
+    if args.variants is None:
+        args.variants = ",".join([SIM, REAL] if args.network_ms is not None
+                                 else [SIM, SIM_CONSTANT, REAL])
     try:
         variants_of(args)
     except ValueError as exc:

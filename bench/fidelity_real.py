@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import yaml
 
 from bench.fidelity_clients import ClientProcs
@@ -269,3 +270,31 @@ async def idle_ttft_ms(wl: Workload, doc: dict, probes: list[Arrival], *, nats_u
             await asyncio.wait_for(gen.request(lv), 30)
     return [(lv.t_first - lv.t_sub) * 1000 for lv in lives
             if lv.t_first is not None and lv.t_sub is not None]
+
+
+async def message_hop_ms(nats_url: str, n: int = 200) -> list[float]:
+    """One dispatcher<->worker message's time on this rig, for the simulator's
+    `network_ms`: half of each core-NATS request-reply round trip between two
+    connections of this (idle) process, through the loopback nats-server."""
+    asker, answerer = await nats.connect(nats_url), await nats.connect(nats_url)
+    try:
+        subject = f"fl.bench.hop.{os.getpid()}"
+
+        async def echo(msg: Any) -> None:
+            await msg.respond(msg.data)
+
+        await answerer.subscribe(subject, cb=echo)
+        await answerer.flush()
+        payload = b"x" * 256  # about a dispatch's size
+        for _ in range(10):  # warm: the first round trips set up the reply subscription
+            await asker.request(subject, payload, timeout=5)
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await asker.request(subject, payload, timeout=5)
+            out.append((time.perf_counter() - t0) * 1000 / 2)
+        return out
+    finally:
+        for nc in (asker, answerer):
+            with contextlib.suppress(Exception):
+                await nc.close()

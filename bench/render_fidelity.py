@@ -1,9 +1,12 @@
 """The simulator-fidelity comparison (issue 12, item 5): fleetsim vs the real fleet on
 the same arrivals, from the JSON bench/fidelity.py writes ({"meta", "data": {"runs":
-[{"variant": "SCENARIO:sim" | "SCENARIO:real" | "SCENARIO:real-shared", "rep",
-"metrics": {"classes": {CLASS: {...}}}}], "scenarios", "network_ms", ...}}). `real`
-is the real fleet with one client process per traffic class; `real-shared`, run only
-when asked for, the same with one client for every class (the earlier rig).
+[{"variant": "SCENARIO:sim" | "SCENARIO:sim-constant" | "SCENARIO:real" |
+"SCENARIO:real-shared", "rep", "metrics": {"classes": {CLASS: {...}}}}], "scenarios",
+"network_ms", ...}}). `sim` is the simulator as calibrated now (a measured hop and
+the clients' legs), `sim-constant`, where run, as calibrated before (one constant on
+every message); `real` is the real fleet with one client process per traffic class,
+`real-shared`, run only when asked for, the same with one client for every class
+(the earlier rig).
 
 Pure: the relative errors, the tail each comparison may use, the verdicts and the
 tables. bench/fidelity.py writes its results markdown with the same functions, so the
@@ -34,7 +37,7 @@ from bench.render_common import (
 
 TOLERANCE = 0.10  # issue 12: TTFT p50/p99 and throughput within 10% (Vidur: < 9%)
 ALL = "all"  # the pseudo-class of every request of a scenario
-SIM, REAL, REAL_SHARED = "sim", "real", "real-shared"
+SIM, SIM_CONSTANT, REAL, REAL_SHARED = "sim", "sim-constant", "real", "real-shared"
 
 
 @dataclass(frozen=True)
@@ -111,23 +114,24 @@ class Row:
         return self.metric.label
 
 
-def pairs(runs: list[dict], scenario: str, real: str = REAL) -> list[tuple[dict, dict]]:
-    """(sim, `real` variant) class metrics of each repetition where both runs succeeded."""
+def pairs(runs: list[dict], scenario: str, real: str = REAL,
+          sim: str = SIM) -> list[tuple[dict, dict]]:
+    """(`sim`, `real` variant) class metrics of each repetition where both runs succeeded."""
     by: dict[tuple[int, str], dict] = {}
     for r in runs:
         scen, _, variant = str(r.get("variant", "")).partition(":")
         if scen == scenario and not r.get("error"):
             by[(r["rep"], variant)] = r["metrics"]["classes"]
     reps = sorted({rep for rep, _ in by})
-    return [(by[(rep, SIM)], by[(rep, real)]) for rep in reps
-            if (rep, SIM) in by and (rep, real) in by]
+    return [(by[(rep, sim)], by[(rep, real)]) for rep in reps
+            if (rep, sim) in by and (rep, real) in by]
 
 
 def compare(runs: list[dict], scenario: str, classes: Sequence[str],
-            real: str = REAL) -> list[Row]:
+            real: str = REAL, sim: str = SIM) -> list[Row]:
     """One row per class x metric with a value on either side (a class with no
     requests arriving in the window has no TTFT, only its throughput)."""
-    ps = pairs(runs, scenario, real)
+    ps = pairs(runs, scenario, real, sim)
     rows = []
     for cls in [*classes, ALL]:
         both = [(s[cls], r[cls]) for s, r in ps if cls in s and cls in r]
@@ -143,10 +147,10 @@ def compare(runs: list[dict], scenario: str, classes: Sequence[str],
     return rows
 
 
-def all_rows(data: dict, real: str = REAL) -> list[Row]:
+def all_rows(data: dict, real: str = REAL, sim: str = SIM) -> list[Row]:
     runs = data.get("runs", [])
     return [row for name, scen in data.get("scenarios", {}).items()
-            for row in compare(runs, name, scen.get("classes", []), real)]
+            for row in compare(runs, name, scen.get("classes", []), real, sim)]
 
 
 # --- text ---------------------------------------------------------------------------------
@@ -184,12 +188,28 @@ def fleet_sizes(data: dict) -> str:
     return str(workers)
 
 
+def calibration(net: dict) -> str:
+    """How the simulator's delays were chosen: a measured hop and the clients' legs
+    (runs from 2026-11-30 on), one constant on every message (before), or --network-ms."""
+    if net.get("source") != "calibrated":
+        return f"`network_ms` {fmt_sig(net.get('value'))} (given by --network-ms)"
+    if "client_ms" not in net:
+        return (f"`network_ms` {fmt_sig(net.get('value'))} (calibrated: idle real TTFT p50 "
+                f"{fmt_sig(net.get('real_idle_ttft_p50_ms'))} ms − simulated "
+                f"{fmt_sig(net.get('sim_idle_ttft_p50_ms'))} ms)")
+    legs = sorted(net["client_ms"])
+    return (f"`network_ms` {fmt_sig(net.get('value'))} (measured: a core-NATS round trip "
+            f"÷ 2, median of {net.get('hop_n')}) and the clients' legs, each request "
+            f"drawing one of the {len(legs)} idle probes' real TTFT − simulated (p50 "
+            f"{fmt_sig(legs[len(legs) // 2])}, {fmt_sig(legs[0])} to {fmt_sig(legs[-1])} ms); "
+            f"`sim-constant`: `network_ms` {fmt_sig(net.get('constant_ms'))} on every message "
+            f"(idle real TTFT p50 {fmt_sig(net.get('real_idle_ttft_p50_ms'))} − simulated "
+            f"{fmt_sig(net.get('sim0_idle_ttft_p50_ms'))} ms)")
+
+
 def setup_line(data: dict) -> str:
-    """The fleet, the simulator's one free parameter and how it was chosen, the reps."""
+    """The fleet, the simulator's calibrated delays and how they were chosen, the reps."""
     net = data.get("network_ms", {})
-    how = (f"calibrated: idle real TTFT p50 {fmt_sig(net.get('real_idle_ttft_p50_ms'))} ms − "
-           f"simulated {fmt_sig(net.get('sim_idle_ttft_p50_ms'))} ms"
-           if net.get("source") == "calibrated" else "given by --network-ms")
     runs = data.get("runs", [])
     compared = min((len(pairs(runs, name)) for name in data.get("scenarios", {})), default=0)
     reps = len({r["rep"] for r in runs})
@@ -198,19 +218,20 @@ def setup_line(data: dict) -> str:
                         for name, s in data.get("scenarios", {}).items())
     return (f"{fleet_sizes(data)} workers × {data.get('max_num_seqs')} slots, prefetch "
             f"{data.get('prefetch_seqs')}, step model `{data.get('step_model')}`; simulator "
-            f"`network_ms` {fmt_sig(net.get('value'))} ({how}); {compared} of {reps} "
+            f"{calibration(net)}; {compared} of {reps} "
             f"repetitions compared ({failed} runs failed), sim and real interleaved; values are medians over repetitions, the error is "
             f"(sim − real) ÷ real per repetition, median (min to max); measurement windows "
             f"(arrivals, warm-up dropped): {windows}.")
 
 
-def comparison_table(data: dict, real: str = REAL) -> str:
-    header = ["scenario", "class", "metric", "sim", real, "error, median (range)",
+def comparison_table(data: dict, real: str = REAL, sim: str = SIM) -> str:
+    header = ["scenario", "class", "metric", sim, real, "error, median (range)",
               "verdict"]
     rows = [[r.scenario, r.cls, r.label, fmt_value(r.sim), fmt_value(r.real), fmt_err(r.err),
-             fmt_verdict(r)] for r in all_rows(data, real)]
+             fmt_verdict(r)] for r in all_rows(data, real, sim)]
     table_text = table(header, "lllrrrl", rows)
-    return table_text if real != REAL else setup_line(data) + "\n\n" + table_text
+    main = real == REAL and sim == SIM
+    return setup_line(data) + "\n\n" + table_text if main else table_text
 
 
 SPLIT_LABELS = {  # bench/fidelity_obs.py's parts of a TTFT
@@ -251,8 +272,8 @@ diagnostic, not judged; bench/fidelity_obs.py): the dispatcher's queue, the work
 step) and the messages (the TTFT less both: the client's publish and JetStream, the
 dispatch's and the first token's way, the worker's wait for the started record's
 ack). The real fleet's parts come from each request's `Usage` (`queue_ms` in whole
-ms, `ttft_ms`), the simulator's from its clock, where the messages are `network_ms`
-by construction. A p99 needs ≥ 200 requests per run ("n/a" otherwise); parts' p99s
+ms, `ttft_ms`), the simulator's from its clock, where the messages are what it adds
+by construction: `network_ms`, and the request's client legs where the run drew them. A p99 needs ≥ 200 requests per run ("n/a" otherwise); parts' p99s
 do not add up to the TTFT's."""
 
 
@@ -275,7 +296,7 @@ def diagnostics_table(data: dict) -> str:
         cpu = d.get("cpu_cores", {})
         if r.get("error"):
             extra = f"failed: {r['error'][:120]}"
-        elif variant == SIM:
+        elif variant in (SIM, SIM_CONSTANT):
             extra = f"{d.get('wall_s')} s wall, {d.get('preemptions')} preemptions"
         else:
             extra = f"{d.get('errors', 0)} errors, {len(d.get('log_problems', []))} log problems"
@@ -284,7 +305,7 @@ def diagnostics_table(data: dict) -> str:
                      allm.get("censored", "n/a"), _cores(cpu) if cpu else "—",
                      f"{busy:.0%}" if busy is not None else "—",
                      f"{fmt_sig(d.get('lag_p50_ms'))} / {fmt_sig(d.get('lag_max_ms'))}"
-                     if variant != SIM else "—", extra])
+                     if variant not in (SIM, SIM_CONSTANT) else "—", extra])
     header = ["scenario", "rep", "variant", "busy slots, mean", "censored",
               "CPU cores: workers / dispatcher / nats / load generator", "machine busy",
               "generator lag p50 / max, ms", "notes"]
@@ -296,7 +317,8 @@ Each scenario's arrivals (a fleetsim workload, seed = the repetition) go once th
 the simulator (`fleetsim`, in-process, virtual time) and once through the real fleet
 (loopback nats-server, dispatcher and `gpu_worker --engine sim --time-scale 1.0`
 processes, the producer library as the client, one client process per traffic
-class; `real-shared`, when run: one client for all). **sim** and **real** columns are
+class; `real-shared`, when run: one client for all; `sim-constant`, when run: the
+simulator as calibrated before). **sim** and **real** columns are
 medians over repetitions; the error is (sim − real) ÷ real per repetition, as median
 (min to max), and a metric is within the target when the median's magnitude is ≤ 10%.
 TTFT p99 needs ≥ 200 requests in every run compared, else the row compares maxima.
@@ -304,12 +326,15 @@ Only requests arriving inside the window are timed; throughput counts the output
 tokens generated inside it. TPOT is a diagnostic: real/sim > 1 means the real workers
 step slower than their step model (event-loop time per step, CPU contention).
 
-What the simulator does not model: the client and JetStream leg (publish, pub-ack,
-the dispatcher's fetch, the token's way back), folded into `network_ms`, which
-fleetsim applies to *every* dispatcher↔worker message (pulls included) and which is
-measured on the idle fleet, not fitted to these scenarios; the worker's own event-loop
-time (token publishing, coalescing) that lengthens each real step beyond the model;
-the producer's stream watchdog traffic; CPU contention between the processes.
+The simulator's delays are measured on the idle rig, never fitted to these scenarios:
+`network_ms`, one dispatcher↔worker message (a core-NATS round trip ÷ 2), and the
+clients' legs (the client's publish, JetStream, the dispatcher's fetch, the started
+record's ack, the token's way back, and the real worker's own time per admission):
+each idle probe's real TTFT less the simulator's, one drawn per request, so the idle
+spread is kept, not only its median. What it does not model: how those grow with
+load (a busy nats-server, processes waiting for one of two cores); the worker's own
+event-loop time (token publishing, coalescing) that lengthens each real step beyond
+the model; the producer's stream watchdog traffic.
 
 The fleet's size is the largest this 2-core machine held with headroom (see
 bench/fidelity.py's docstring). The Runs table gives each real run's CPU per process
@@ -326,13 +351,24 @@ a flood's burst of submits there, and its first tokens share the client with the
 flood's token chunks)."""
 
 
+CONSTANT_TEXT = """\
+`sim-constant`: the same arrivals through the simulator as this benchmark calibrated it
+before 2026-11-30: no clients' legs, and one `network_ms` on every dispatcher↔worker
+message (pulls included), the idle probes' real TTFT p50 less the simulator's without
+hops. Against the same real runs; not judged (the verdict is `sim`'s, above)."""
+
+
 def report(data: dict) -> str:
     """The results markdown's body (bench/fidelity.py)."""
     parts = ["## Sim vs real", "", comparison_table(data)]
     split = split_table(data)
     if split:
         parts += ["", "## Where the TTFT goes (diagnostic)", "", SPLIT_TEXT, "", split]
-    if any(str(r.get("variant", "")).endswith(f":{REAL_SHARED}") for r in data.get("runs", [])):
+    variants = {str(r.get("variant", "")).partition(":")[2] for r in data.get("runs", [])}
+    if SIM_CONSTANT in variants:
+        parts += ["", "## The simulator as calibrated before (sim-constant)", "",
+                  CONSTANT_TEXT, "", comparison_table(data, REAL, SIM_CONSTANT)]
+    if REAL_SHARED in variants:
         parts += ["", "## Sim vs real with one shared client (the earlier rig)", "",
                   SHARED_TEXT, "", comparison_table(data, REAL_SHARED)]
     parts += ["", "## Runs", "", diagnostics_table(data)]

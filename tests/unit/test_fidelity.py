@@ -11,6 +11,7 @@ import pytest
 
 from bench.fidelity import (
     SCENARIOS,
+    client_legs_from,
     fleet_settings,
     idle_probes,
     load_scenario,
@@ -174,15 +175,27 @@ def test_in_the_simulator_the_messages_are_network_ms():
         assert queue == pytest.approx(0.0, abs=1e-9)
         assert ttft - queue - worker == pytest.approx(0.003)
         assert worker > 0.005  # the prefill step, at least
+    # With the clients' legs: the messages are the hop and the request's leg, the
+    # dispatcher's queue still nothing.
+    obs = Observations(0.0, math.inf)
+    run_sim(wl, probes, obs, fleet_settings(args, 0.5, client_ms=(2.0, 4.0), seed=1),
+            probes[-1].t_s + 5.0)
+    (split,) = obs.split_s.values()
+    msgs = {round((ttft - queue - worker) * 1000, 6) for ttft, queue, worker in split}
+    assert msgs <= {2.5, 4.5} and all(q == pytest.approx(0.0, abs=1e-9) for _, q, _ in split)
 
 
 def test_variants_are_sim_and_real_and_optionally_the_shared_client_rig():
-    assert variants_of(parse_args([])) == ["sim", "real"]
+    assert variants_of(parse_args([])) == ["sim", "sim-constant", "real"]
     assert variants_of(parse_args(["--variants", "real,sim,real-shared"])) == \
         ["real", "sim", "real-shared"]
-    for bad in ("sim", "sim,real,real", "sim,real,fast"):
+    for bad in ("sim", "sim,real,real", "sim,real,fast", "sim-constant,real"):
         with pytest.raises(SystemExit):
             parse_args(["--variants", bad])
+    # sim-constant is a calibration's: a given --network-ms has none to compare.
+    assert variants_of(parse_args(["--network-ms", "1"])) == ["sim", "real"]
+    with pytest.raises(SystemExit):
+        parse_args(["--network-ms", "1", "--variants", "sim,sim-constant,real"])
 
 
 def test_several_fleet_sizes_run_every_scenario_at_each_size():
@@ -209,6 +222,15 @@ def test_network_ms_is_the_idle_p50_gap_and_never_negative():
     assert network_ms_from([9.0], [10.0]) == 0.0
     with pytest.raises(ValueError):
         network_ms_from([], [10.0])
+
+
+def test_the_clients_legs_are_each_idle_probes_gap_and_never_negative():
+    """Probe by probe (the spread kept), against the simulator's p50 (its idle TTFTs
+    are one value: identical probes on an idle fleet)."""
+    assert client_legs_from([15.0, 16.5, 40.0, 9.0], [10.5, 10.5, 10.5]) == \
+        (4.5, 6.0, 29.5, 0.0)
+    with pytest.raises(ValueError):
+        client_legs_from([15.0], [])
 
 
 def test_one_message_lies_on_the_simulators_idle_first_token_path():
@@ -405,3 +427,37 @@ def test_a_run_over_two_fleet_sizes_is_judged_per_size(tmp_path):
         summary_fidelity_workers(res)
     with pytest.raises(RenderError, match="several fleet sizes"):
         fidelity_sizes(res, ["fidelity_workers"], "")
+
+
+def test_the_calibrated_hop_and_legs_and_the_earlier_model_are_reported(tmp_path):
+    """Runs from 2026-11-30 on: a measured hop and the clients' legs in the setup line;
+    `sim-constant` (the simulator as calibrated before) beside the judged `sim`, against
+    the same real runs, not instead of it."""
+    doc = _doc()
+    data = doc["data"]
+    data["network_ms"] = {"value": 0.12, "source": "calibrated", "hop_n": 200,
+                          "client_ms": [4.0, 5.0, 5.5, 7.0], "constant_ms": 5.3,
+                          "real_idle_ttft_p50_ms": 16.1, "sim0_idle_ttft_p50_ms": 10.8}
+    data["runs"] += [
+        _run("steady:sim-constant", 0, 6, {"a": _m(40, 100, 1000, 300),
+                                           "all": _m(40, 100, 1000, 300)}),
+        _run("steady:sim-constant", 1, 7, {"a": _m(40, 100, 1000, 300),
+                                           "all": _m(40, 100, 1000, 300)}),
+    ]
+    (tmp_path / "fidelity.json").write_text(json.dumps(doc))
+    out = fidelity_table(Results(tmp_path, "res"), ["fidelity"], "")
+    assert ("`network_ms` 0.12 (measured: a core-NATS round trip ÷ 2, median of 200) and "
+            "the clients' legs, each request drawing one of the 4 idle probes' real TTFT − "
+            "simulated (p50 5.50, 4.00 to 7.00 ms); `sim-constant`: `network_ms` 5.30 on "
+            "every message (idle real TTFT p50 16.1 − simulated 10.8 ms)") in out
+    # The verdict stays sim's (sim-constant equals real here, sim does not).
+    met, n, _ = headline(compare(data["runs"], "steady", ["a"]))
+    assert (met, n) == (6, 8)
+    const = {(r.cls, r.metric.key): r for r in compare(data["runs"], "steady", ["a"],
+                                                       sim="sim-constant")}
+    assert const[("a", "ttft_p50_ms")].err.median == 0.0
+    text = report(data)
+    assert text.index("## Sim vs real\n") < text.index("as calibrated before (sim-constant)") \
+        < text.index("## Runs")
+    assert "| steady | a | TTFT p50, ms | 40.0 | 40.0 | +0.0% (+0.0 to +0.0) |" in text
+    assert "| steady | 0 | sim-constant |" in text  # its runs in the Runs table
