@@ -235,5 +235,35 @@ def summary_scale(res: Results) -> list[str]:
     return [claim, measured, target, row_source(res, STEM)]
 
 
+# The whole hour as two pools, five times under each interpreter (the row below the one
+# pool's): this machine's pyenv Python, the tests' own, and Debian's python3.11.
+POOLS_STEMS = ("simulate_scale_pools_hour5", "simulate_scale_pools_hour_alt5")
+
+
+def summary_scale_pools(res: Results) -> list[str]:
+    """The target's hour as two pools, one process each: measured or extrapolated, per
+    interpreter; met only where every results file's median is."""
+    parts, verdicts = [], []
+    for stem in POOLS_STEMS:
+        groups = find_runs(res.load(stem).get("data", {}), TARGET_SCALE)
+        if not groups:
+            raise RenderError(f"no {TARGET_SCALE[0]:,} x {TARGET_SCALE[1]:,} run in {stem}.json")
+        for g in groups:
+            r = g[0]
+            whole = "the whole hour" if not any(x["hour_extrapolated"] for x in g) else \
+                "extrapolated"
+            parts.append(f"Python {r.get('python', '?')} (`{r.get('python_executable', '?')}`): "
+                         f"**{med(g, 'hour_wall_s', 1, 1 / 60)} min**, {whole}, median of "
+                         f"{len(g)}")
+            verdicts.append(target_verdict(g))
+    verdict = "met" if all(v == "met" for v in verdicts) else "missed"
+    k = r.get("pools", 2)
+    return [f"§9 fleet simulator: the same hour as {k} pools of {r['workers'] // k:,} workers "
+            f"and {r['tenants'] // k:,} tenants, one dispatcher and one process each "
+            f"(`--pools {k}`, compiled)",
+            "; ".join(parts), f"< {TARGET_WALL_S / 60:g} min — {verdict} (as one pool: "
+            "missed, row above)", ", ".join(row_source(res, s) for s in POOLS_STEMS)]
+
+
 KINDS = {"simulate-scale": scale_kind}
-SUMMARY_ROWS = {"simulate-scale": summary_scale}
+SUMMARY_ROWS = {"simulate-scale": summary_scale, "simulate-scale-pools": summary_scale_pools}

@@ -227,3 +227,28 @@ def test_missing_target_scale_is_an_error(tmp_path):
         rsc.SUMMARY_ROWS["simulate-scale"](_results(tmp_path, data))
     with pytest.raises(RenderError, match="no runs"):
         rsc.scale_table(rsc.runs_of({"runs": []}))
+
+
+def test_the_two_pool_row_lists_each_interpreter_and_is_met_only_if_every_one_is(tmp_path):
+    def runs(variant: str, python: str, exe: str, hours_s: list[float]) -> dict:
+        out = []
+        for rep, h in enumerate(hours_s):
+            r = _run(1000, 100_000, 3600.0, h, h, False, variant=variant, rep=rep)
+            out.append(r | {"pools": 2, "python": python, "python_executable": exe})
+        return {"runs": out}
+
+    pyenv, alt = rsc.POOLS_STEMS
+    _results(tmp_path, runs("compiled-pools2", "3.11.7", "/py/a", [570.0, 560.0, 590.0]), pyenv)
+    res = _results(tmp_path, runs("alt-compiled-pools2", "3.11.2", "/py/b", [540.0]), alt)
+    row = rsc.SUMMARY_ROWS["simulate-scale-pools"](res)
+    assert row[0].startswith("§9 fleet simulator: the same hour as 2 pools of 500 workers and "
+                             "50,000 tenants")
+    assert row[1] == ("Python 3.11.7 (`/py/a`): **9.5 (9.3–9.8) min**, the whole hour, median "
+                      "of 3; Python 3.11.2 (`/py/b`): **9.0 min**, the whole hour, median of 1")
+    assert row[2] == "< 10 min — met (as one pool: missed, row above)"
+    assert row[3] == ("[simulate_scale_pools_hour5](res/simulate_scale_pools_hour5.md) (abc1234, "
+                      "2030-01-02), [simulate_scale_pools_hour_alt5](res/"
+                      "simulate_scale_pools_hour_alt5.md) (abc1234, 2030-01-02)")
+    # One interpreter over the line: missed.
+    res = _results(tmp_path, runs("alt-compiled-pools2", "3.11.2", "/py/b", [610.0]), alt)
+    assert rsc.SUMMARY_ROWS["simulate-scale-pools"](res)[2].startswith("< 10 min — missed")

@@ -116,3 +116,22 @@ def test_simulate_reports_the_legs_in_every_client_latency(tmp_path):
         pytest.approx(0.050, abs=0.02 * (paid + 0.050))
     assert legs["meta"]["arrivals"] == plain["meta"]["arrivals"]
     assert legs["meta"]["preemptions_ordered"] == plain["meta"]["preemptions_ordered"]
+
+
+def test_pools_draw_their_legs_the_same_in_any_number_of_processes():
+    """`--pools`: each pool draws from its own seed (the workload's and its index), so a
+    split run's report is one whatever runs the pools; a constant leg moves every
+    pool's TTFTs by itself."""
+    from fleetsim.pools import run_pools
+    from tests.unit.test_sim_pools import NoStop, job
+
+    apart = run_pools(job(2, client_ms=(1.0, 9.0)), 2, NoStop())
+    here = run_pools(job(2, client_ms=(1.0, 9.0)), 1, NoStop())
+    assert apart is not None and here is not None
+    assert apart.recorder.summary() == here.recorder.summary()
+    plain = run_pools(job(2), 1, NoStop())
+    shifted = run_pools(job(2, client_ms=(7.0,)), 1, NoStop())
+    assert plain is not None and shifted is not None
+    p, q = plain.recorder.summary()["pool"], shifted.recorder.summary()["pool"]
+    assert q["ttft_s"]["n"] == p["ttft_s"]["n"]
+    assert q["ttft_s"]["mean"] - p["ttft_s"]["mean"] == pytest.approx(0.007)
