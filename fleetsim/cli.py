@@ -342,6 +342,11 @@ def cmd_simulate(argv: list[str]) -> int:
         "peak_rss_mib": round(peak_rss_mib, 1),
         "compiled": args.compiled,
     }
+    if settings.client_ms:  # what each request's client leg was drawn from
+        legs = sorted(settings.client_ms)
+        extra["client_ms"] = (f"{legs[0]:g}" if len(legs) == 1 else
+                              f"{len(legs)} values, {legs[0]:g} to {legs[-1]:g}, "
+                              f"p50 {legs[len(legs) // 2]:g}")
     if args.pools > 1:
         extra |= {"pools": args.pools, "processes": jobs,
                   "peak_rss_mib_per_pool": [round(r.peak_rss_mib, 1) for r in results]}

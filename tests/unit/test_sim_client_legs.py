@@ -114,6 +114,8 @@ def test_simulate_reports_the_legs_in_every_client_latency(tmp_path):
     paid = plain["summary"]["by_tier"]["paid"]["ttft_s"]["p50"]  # ~20 ms: fine bins
     assert legs["summary"]["by_tier"]["paid"]["ttft_s"]["p50"] - paid == \
         pytest.approx(0.050, abs=0.02 * (paid + 0.050))
+    assert legs["meta"]["client_ms"] == "50"
+    assert "client_ms" not in plain["meta"]
     assert legs["meta"]["arrivals"] == plain["meta"]["arrivals"]
     assert legs["meta"]["preemptions_ordered"] == plain["meta"]["preemptions_ordered"]
 
