@@ -243,11 +243,12 @@ POOLS_STEMS = ("simulate_scale_pools_hour5", "simulate_scale_pools_hour_alt5")
 def summary_scale_pools(res: Results) -> list[str]:
     """The target's hour as two pools, one process each: measured or extrapolated, per
     interpreter; met only where every results file's median is."""
-    parts, verdicts = [], []
+    parts, verdicts, first = [], [], None
     for stem in POOLS_STEMS:
         groups = find_runs(res.load(stem).get("data", {}), TARGET_SCALE)
         if not groups:
             raise RenderError(f"no {TARGET_SCALE[0]:,} x {TARGET_SCALE[1]:,} run in {stem}.json")
+        first = first or groups[0][0]
         for g in groups:
             r = g[0]
             whole = "the whole hour" if not any(x["hour_extrapolated"] for x in g) else \
@@ -257,9 +258,10 @@ def summary_scale_pools(res: Results) -> list[str]:
                          f"{len(g)}")
             verdicts.append(target_verdict(g))
     verdict = "met" if all(v == "met" for v in verdicts) else "missed"
-    k = r.get("pools", 2)
-    return [f"§9 fleet simulator: the same hour as {k} pools of {r['workers'] // k:,} workers "
-            f"and {r['tenants'] // k:,} tenants, one dispatcher and one process each "
+    assert first is not None  # POOLS_STEMS is not empty
+    k = first.get("pools", 2)
+    return [f"§9 fleet simulator: the same hour as {k} pools of {first['workers'] // k:,} "
+            f"workers and {first['tenants'] // k:,} tenants, one dispatcher and one process each "
             f"(`--pools {k}`, compiled)",
             "; ".join(parts), f"< {TARGET_WALL_S / 60:g} min — {verdict} (as one pool: "
             "missed, row above)", ", ".join(row_source(res, s) for s in POOLS_STEMS)]

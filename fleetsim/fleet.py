@@ -488,13 +488,13 @@ class Fleet:
         w.seqs.pop(seq.request_id, None)
         r: Req = seq.owner
         a = r.arrival
-        e2e_s = (self.now_ms + r.client_ms - a.t_s * 1000) / 1000
-        ttft_s = ((r.first_token_ms or self.now_ms) + r.client_ms - a.t_s * 1000) / 1000
+        e2e_ms = self.now_ms - a.t_s * 1000  # the fleet's; its client's is client_ms later
+        e2e_s = (e2e_ms + r.client_ms) / 1000
+        ttft_s = ((r.first_token_ms or self.now_ms) - a.t_s * 1000 + r.client_ms) / 1000
         self.sink.on_finished(a.tenant, (self.now_ms + r.client_ms) / 1000, e2e_s, ttft_s,
                               seq.num_output_tokens, r.preemptions, r.worker_ttft_ms / 1000,
                               r.client_ms / 1000)
         usage = ActualUsage(prompt_tokens=a.prompt_tokens,
                             completion_tokens=seq.num_output_tokens - r.num_generated,
-                            kv_token_seconds=seq.kv_token_seconds,
-                            e2e_ms=e2e_s * 1000 - r.client_ms)  # the fleet's, not the client's
+                            kv_token_seconds=seq.kv_token_seconds, e2e_ms=e2e_ms)
         self._send(self._on_finished, (w, seq.request_id, usage))
