@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from fairlane.gctune import DISPATCHER_YOUNG_OBJECTS
+from fairlane.gctune import YOUNG_OBJECTS
 from fairlane.logs import LogLevel
 from fairlane.poolconfig import Policy
 from fairlane.settings import PositiveFloat, PositiveInt
@@ -63,7 +63,7 @@ class DispatcherSettings(StreamSettings, kw_only=True):
     # Net new objects between young garbage collections (fairlane.gctune; Python's own
     # default is 700, kept by 0). Collecting that often took 10-13% of a busy
     # dispatcher's time; its messages make almost no cycles.
-    gc_young_objects: Annotated[int, msgspec.Meta(ge=0)] = DISPATCHER_YOUNG_OBJECTS
+    gc_young_objects: Annotated[int, msgspec.Meta(ge=0)] = YOUNG_OBJECTS
     log_level: LogLevel = "info"  # least severe log level written
     log_json: bool = True  # JSON log lines (else human-readable)
 

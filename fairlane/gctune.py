@@ -22,9 +22,15 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-# The dispatcher's default (`--gc-young-objects`): GC pauses of a busy dispatcher 10-13%
-# -> 3-4% of its time in bench_ingest on the 2-core dev machine.
-DISPATCHER_YOUNG_OBJECTS = 50_000
+# Every service's default (`--gc-young-objects`). The dispatcher: GC pauses of a busy
+# dispatcher 10-13% -> 3-4% of its time in bench_ingest on the 2-core dev machine. The
+# worker and the streamer: under Python's own settings a full collection walks what
+# their imports left (~46,000 and ~67,000 objects: 9 and 30 ms on an idle core), and in
+# bench/fidelity.py's steady scenario stopped each busy worker's event loop, and every
+# stream on it, for 25-47 ms; frozen, it walks only what came after start-up.
+YOUNG_OBJECTS = 50_000
+
+_tuning = False  # inside tuned_gc with a threshold: refreeze() freezes again
 
 
 @contextlib.contextmanager
@@ -35,12 +41,24 @@ def tuned_gc(young_objects: int) -> Iterator[None]:
     if young_objects <= 0:
         yield
         return
+    global _tuning
     threshold = gc.get_threshold()
     gc.collect()
     gc.freeze()
     gc.set_threshold(young_objects, 20, 20)
+    _tuning = True
     try:
         yield
     finally:
+        _tuning = False
         gc.set_threshold(*threshold)
         gc.unfreeze()
+
+
+def refreeze() -> None:
+    """Within `tuned_gc` (else nothing): collect, then freeze what is alive now, for
+    what start-up makes after the imports (a worker's engine: vLLM's modules and
+    model state), so no later collection walks it again."""
+    if _tuning:
+        gc.collect()
+        gc.freeze()

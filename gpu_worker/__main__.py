@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from fairlane import otel, runtime
+from fairlane.gctune import tuned_gc
 from fairlane.logs import configure_logging
 from fairlane.settings import load_settings
 from gpu_worker.config import WorkerSettings
@@ -23,7 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpu_worker.service import serve
 
     try:
-        return runtime.run(lambda stop: serve(settings, stop))
+        with tuned_gc(settings.gc_young_objects):  # after the imports: frozen
+            return runtime.run(lambda stop: serve(settings, stop))
     finally:
         otel.shutdown()
 

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from fairlane.gctune import YOUNG_OBJECTS
 from fairlane.logs import LogLevel
 from fairlane.settings import PositiveFloat, PositiveInt
 from fairlane.streams import StreamSettings
@@ -43,6 +44,10 @@ class WorkerSettings(StreamSettings, kw_only=True):
     pull_wait_ms: int = 1000  # long-poll budget offered to the dispatcher
     drain_timeout_s: float = 30.0  # on stop: how long running requests may finish
     max_model_len: int = 4096  # 0: unset (vLLM: the model's own; simulator: KV size)
+    # Net new objects between young garbage collections, and what start-up left alive
+    # frozen (fairlane.gctune; 0 keeps Python's own 700 and nothing frozen): a full
+    # collection walking the imports stopped every stream on the worker for tens of ms.
+    gc_young_objects: Annotated[int, msgspec.Meta(ge=0)] = YOUNG_OBJECTS
     log_level: LogLevel = "info"  # least severe log level written
     log_json: bool = True  # JSON log lines (else human-readable)
     metrics_port: int = 0  # port of the Prometheus /metrics endpoint; 0 = none

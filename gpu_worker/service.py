@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from fairlane.gctune import refreeze
 from fairlane.looplag import watch_loop_lag
 from fairlane.natsconn import connect_options
 from fairlane.protocol import (
@@ -111,6 +112,7 @@ class Worker(RequestServing):
         self.js = self._nc.jetstream()
         await ensure_streams(self.js, self.subjects, self.s)
         await self.engine.start()
+        refreeze()  # the engine's start-up objects (vLLM's): no collection walks them
 
     async def run(self, stop: asyncio.Event) -> int:
         try:

@@ -9,6 +9,7 @@ import structlog
 import uvicorn
 
 from fairlane import otel
+from fairlane.gctune import tuned_gc
 from fairlane.logs import configure_logging
 from fairlane.runtime import run
 from fairlane.settings import load_settings
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if server.started else 1
 
     try:
-        return run(_main)
+        with tuned_gc(settings.gc_young_objects):  # after the imports: frozen
+            return run(_main)
     finally:
         otel.shutdown()
 

@@ -31,6 +31,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp
 
 from fairlane.errors import ErrorCode
+from fairlane.gctune import refreeze
 from fairlane.looplag import watch_loop_lag
 from fairlane.natsconn import connect_options
 from fairlane.ratelimit import RateLimiter, UsageSettler
@@ -154,6 +155,7 @@ def create_app(
         state.api = api
         lag_task = asyncio.get_running_loop().create_task(
             watch_loop_lag(metrics.LOOP_LAG.observe, role="streamer"))
+        refreeze()  # what start-up made (connections, tenants): no collection walks it
         log.info("streamer_started", prefix=settings.prefix, inbox=c.inbox)
         try:
             yield

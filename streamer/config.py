@@ -6,6 +6,7 @@ from typing import Annotated
 
 import msgspec
 
+from fairlane.gctune import YOUNG_OBJECTS
 from fairlane.logs import LogLevel
 from fairlane.settings import PositiveFloat, PositiveInt
 from fairlane.streams import StreamSettings
@@ -42,5 +43,9 @@ class StreamerSettings(StreamSettings, kw_only=True):
     metrics_max_tenants: Annotated[int, msgspec.Meta(ge=0)] = 1000  # most tenants with a /metrics label of their own
     metrics_tenant_idle_s: PositiveFloat = 600.0  # a tenant idle this long loses its /metrics series
     settler_durable: str = "ratelimit-settler"  # the settler's durable consumer name
+    # Net new objects between young garbage collections, and what start-up left alive
+    # frozen (fairlane.gctune; 0 keeps Python's own 700 and nothing frozen): a full
+    # collection walking the imports stopped every stream for tens of ms.
+    gc_young_objects: Annotated[int, msgspec.Meta(ge=0)] = YOUNG_OBJECTS
     log_level: LogLevel = "info"  # least severe log level written
     log_json: bool = True  # JSON log lines (else human-readable)

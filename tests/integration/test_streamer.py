@@ -470,3 +470,29 @@ async def test_streamer_fails_open_when_redis_is_down(
         # Redis is back (empty after the restart): admitted by Redis again
         await client.completions.create(**body)
         assert degraded() == 0
+
+
+async def test_what_start_up_made_is_frozen(nats_server, redis_server, nc, uid, tmp_path,
+                                            monkeypatch):
+    """Under `tuned_gc` (`python -m streamer`), once its lifespan has connected, the
+    streamer freezes what is alive (`fairlane.gctune.refreeze`): no later collection
+    walks its connections, tenants table and routes again."""
+    import gc
+
+    from fairlane import gctune
+    from streamer import app as streamer_app
+
+    seen: list[tuple[int, int]] = []
+
+    def spy() -> None:
+        before = gc.get_freeze_count()
+        gctune.refreeze()
+        seen.append((before, gc.get_freeze_count()))
+
+    monkeypatch.setattr(streamer_app, "refreeze", spy)
+    with gctune.tuned_gc(50_000):
+        async with make_stack(nats_server, redis_server, nc, uid, tmp_path) as s:
+            async with httpx.AsyncClient() as http:
+                assert (await http.get(s.url + "/healthz")).status_code == 200
+    [(before, after)] = seen
+    assert after > before

@@ -421,3 +421,28 @@ async def test_sigterm_drains_subprocess(nats_server, uid, dispatcher, tmp_path)
     assert dispatcher.of(Started, "q1") == [] and dispatcher.of(Started, "q2") == []
     assert any(h.draining for h in dispatcher.of(Heartbeat))
     assert '"event":"drain_done"' in out.replace(" ", "")
+
+
+async def test_what_the_engine_made_at_start_up_is_frozen(nats_server, uid, monkeypatch):
+    """Under `tuned_gc` (`python -m gpu_worker`), once the engine has started the worker
+    freezes what is alive (`fairlane.gctune.refreeze`): no later collection walks it."""
+    import gc
+
+    from fairlane import gctune
+    from gpu_worker import service
+
+    seen: list[tuple[bool, int, int]] = []
+    frozen = asyncio.Event()
+
+    def spy() -> None:
+        before = gc.get_freeze_count()
+        gctune.refreeze()
+        seen.append((engine._task is not None, before, gc.get_freeze_count()))
+        frozen.set()
+
+    monkeypatch.setattr(service, "refreeze", spy)
+    with gctune.tuned_gc(50_000):
+        async with worker_running(nats_server, uid) as (_worker, engine, *_):
+            await asyncio.wait_for(frozen.wait(), 10)
+    [(engine_started, before, after)] = seen
+    assert engine_started and after > before  # the connection, the engine's loop
