@@ -22,6 +22,9 @@ TTFT p50 and p99, output tokens/s and end-to-end p50 per traffic class, target w
 - **real-shared** (only with `--variants sim,real,real-shared`): the real fleet with
   one client in this process for every class, the rig before per-class clients;
   reported beside the comparison, not judged.
+- **real-gc-default** (only when asked for, as real-shared): the real fleet with its
+  workers under Python's default garbage collector (`--gc-young-objects 0`), as every
+  real run before 2026-11-30; reported beside the comparison, not judged.
 - **Measurement window**: requests ARRIVING in [warmup_s, duration_s) count, in both;
   throughput is the output tokens generated inside that window ÷ its length. After the
   last arrival both keep running `drain_s` for the window's requests to finish; a
@@ -75,8 +78,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import quantile  # noqa: E402
@@ -89,11 +90,19 @@ from bench.fidelity_real import (  # noqa: E402
     message_hop_ms,
     run_real,
 )
+from bench.fidelity_scenarios import (  # noqa: E402
+    QUICK_DURATION_S,
+    SCENARIOS,
+    Scenario,
+    class_of_tenants,
+    load_scenario,
+)
+from bench.fidelity_texts import HOW_TO_READ  # noqa: E402
 from bench.fleet import WorkerSpec  # noqa: E402
 from bench.harness import RunMeta, run_interleaved, write_results  # noqa: E402
 from bench.render_fidelity import (  # noqa: E402
-    HOW_TO_READ,
     REAL,
+    REAL_GC,
     REAL_SHARED,
     SIM,
     SIM_CONSTANT,
@@ -103,71 +112,11 @@ from fairlane.embedded import NatsServer  # noqa: E402
 from fleetsim.cli import tuned_gc  # noqa: E402
 from fleetsim.fleet import Fleet, FleetSettings  # noqa: E402
 from fleetsim.records import Arrival  # noqa: E402
-from fleetsim.workload import Workload, load_workload  # noqa: E402
+from fleetsim.workload import Workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_WORKERS = 2  # the fleet size the workload files' rates are written for
 DEFAULT_WORKERS = 4  # the largest fleet this machine holds (see the docstring)
 TITLE = "Simulator fidelity: fleetsim vs the real fleet on the same arrivals"
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    workload: str  # relative to the repository
-    warmup_s: float  # arrivals before this are not measured (both variants)
-    duration_s: float  # arrivals stop here: the window is [warmup_s, duration_s)
-    drain_s: float  # after the last arrival, how long the window's requests may finish
-    scaled_classes: tuple[str, ...]  # classes whose load scales with workers / 2
-    workers: int = 0  # the fleet's size for this run (scenarios_of sets it from --workers)
-
-
-SCENARIOS = {
-    "steady": Scenario("steady", "bench/workloads/fidelity_steady.yaml", 10.0, 70.0, 15.0,
-                       ("ent", "chat", "batch")),
-    # The burst's first wave starts together and ends together: 12 s lets slots turn
-    # over steadily before measuring (as bench/preemption.py's turnover_s).
-    "light": Scenario("light", "bench/workloads/fidelity_light.yaml", 12.0, 60.0, 5.0,
-                      ("noisy",)),
-}
-QUICK_DURATION_S = 30.0
-
-
-# --- workloads ------------------------------------------------------------------------------
-
-
-def scaled_doc(doc: dict, classes: tuple[str, ...], factor: float) -> dict:
-    """The workload document with the named classes' load times `factor` (a Poisson
-    rate, a burst's count): the same utilisation on a different fleet size."""
-    out = {**doc, "classes": [dict(c) for c in doc["classes"]]}
-    for c in out["classes"]:
-        if c["name"] not in classes or factor == 1:
-            continue
-        arrival = dict(c["arrival"])
-        if "rate_per_s" in arrival:
-            arrival["rate_per_s"] = arrival["rate_per_s"] * factor
-        if "count" in arrival:
-            arrival["count"] = max(1, round(arrival["count"] * factor))
-        c["arrival"] = arrival
-    return out
-
-
-def load_scenario(s: Scenario, workers: int, seed: int) -> tuple[Workload, dict]:
-    """(the workload, its scaled document); arrivals stop at the scenario's duration."""
-    raw = yaml.safe_load((ROOT / s.workload).read_text(encoding="utf-8"))
-    doc = scaled_doc(raw, s.scaled_classes, workers / REFERENCE_WORKERS)
-    doc["duration_s"] = s.duration_s
-    doc["seed"] = seed
-    wl = load_workload(doc)
-    return wl, doc
-
-
-def class_of_tenants(wl: Workload) -> list[str]:
-    """Tenant index -> its traffic class's name."""
-    out: list[str] = []
-    for c in wl.classes:
-        out += [c.name] * c.num_tenants
-    return out
 
 
 # --- observations: bench/fidelity_obs.py ---------------------------------------------------
@@ -270,7 +219,7 @@ def sim_idle_ttft_ms(wl: Workload, probes: list[Arrival], settings: FleetSetting
 # --- the benchmark ------------------------------------------------------------------------------
 
 HEARTBEAT_MS = 1000  # the worker's default, and FleetSettings'
-VARIANTS = (SIM, SIM_CONSTANT, REAL, REAL_SHARED)  # --variants
+VARIANTS = (SIM, SIM_CONSTANT, REAL, REAL_SHARED, REAL_GC)  # --variants
 
 
 def fleet_settings(args: argparse.Namespace, network_ms: float, workers: int | None = None,
@@ -318,9 +267,13 @@ class Bench:
     client_ms: tuple[float, ...] = ()  # sim: the clients' legs, from the idle probes
     constant_ms: float = 0.0  # sim-constant: every message, the idle probes' p50
 
-    def real_kwargs(self, prefix: str, workers: int) -> dict[str, Any]:
-        return {"nats_url": self.nats_url, "prefix": prefix, "workers": workers,
-                "spec": worker_spec(self.args), "log_dir": self.log_root / prefix,
+    def real_kwargs(self, prefix: str, workers: int, variant: str = REAL) -> dict[str, Any]:
+        spec = worker_spec(self.args)
+        if variant == REAL_GC:
+            spec = replace(spec, gc_young_objects=0)
+        suffix = {REAL_SHARED: "s", REAL_GC: "g"}.get(variant, "")
+        return {"nats_url": self.nats_url, "prefix": prefix + suffix, "workers": workers,
+                "spec": spec, "log_dir": self.log_root / (prefix + suffix),
                 "notes": self.notes}
 
     async def calibrate(self) -> dict[str, Any]:
@@ -371,8 +324,7 @@ class Bench:
             diag = await run_real(wl, doc, arrivals, class_of_tenants(wl), obs, run_s=run_s,
                                   nats_pid=self.nats_pid,
                                   clients=SHARED if variant == REAL_SHARED else PER_CLASS,
-                                  **self.real_kwargs(prefix + ("s" if variant == REAL_SHARED
-                                                               else ""), s.workers))
+                                  **self.real_kwargs(prefix, s.workers, variant))
         return {"classes": class_metrics(obs, [c.name for c in wl.classes]), "diag": diag,
                 "num_arrivals": len(arrivals)}
 
@@ -414,8 +366,8 @@ def variants_of(args: argparse.Namespace) -> list[str]:
     out = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in out if v not in VARIANTS]
     if unknown or SIM not in out or REAL not in out or len(set(out)) != len(out):
-        raise ValueError(f"--variants: {SIM} and {REAL}, optionally {SIM_CONSTANT} and "
-                         f"{REAL_SHARED}, each once (got {args.variants!r})")
+        raise ValueError(f"--variants: {SIM} and {REAL}, optionally {SIM_CONSTANT}, "
+                         f"{REAL_SHARED} and {REAL_GC}, each once (got {args.variants!r})")
     if SIM_CONSTANT in out and args.network_ms is not None:
         raise ValueError(f"--variants {SIM_CONSTANT} is calibrated: not with --network-ms")
     return out
@@ -449,7 +401,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{SIM},{REAL} with --network-ms); {SIM_CONSTANT} is the simulator as "
                          "calibrated before (one constant on every message), "
                          f"{REAL_SHARED} the real fleet with one client for every class "
-                         "(the earlier rig), both for comparison")
+                         f"(the earlier rig), {REAL_GC} its workers under Python's default "
+                         "garbage collector, each for comparison")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stem", default="",
                     help="results file name, without .md/.json (default fidelity; quick "

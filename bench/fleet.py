@@ -40,6 +40,9 @@ class WorkerSpec:
     step_model: str = "default"
     coalesce_ms: int = 5
     heartbeat_ms: int = 500
+    # The workers' --gc-young-objects (0: Python's own collector settings); None: the
+    # worker's default (fairlane/gctune.py).
+    gc_young_objects: int | None = None
     # The source tree the workers run from (cwd and first on PYTHONPATH): another
     # commit's checkout, to compare workers across commits (bench/bench_worker_tokens.py).
     source: Path | None = None
@@ -115,6 +118,8 @@ class Fleet:
                 "--max-num-seqs", str(w.max_num_seqs), "--prefetch-seqs", str(w.prefetch_seqs),
                 "--time-scale", str(w.time_scale), "--step-model", w.step_model,
                 "--coalesce-ms", str(w.coalesce_ms), "--heartbeat-ms", str(w.heartbeat_ms),
+                *(() if w.gc_young_objects is None
+                  else ("--gc-young-objects", str(w.gc_young_objects))),
                 "--log-level", "warning"], w.source)
         deadline = time.monotonic() + timeout_s
         disp_log = self.log_dir / "dispatcher.log"

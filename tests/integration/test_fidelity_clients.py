@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from bench.fidelity import class_of_tenants
 from bench.fidelity_clients import ClientProcs
 from bench.fidelity_load import Live
 from bench.fidelity_obs import Observations
 from bench.fidelity_real import CLIENT_LAYOUTS, PER_CLASS, run_real
+from bench.fidelity_scenarios import class_of_tenants
 from bench.fleet import WorkerSpec
 from fleetsim.records import Arrival
 from fleetsim.workload import load_workload

@@ -10,14 +10,12 @@ import math
 import pytest
 
 from bench.fidelity import (
-    SCENARIOS,
+    Bench,
     client_legs_from,
     fleet_settings,
     idle_probes,
-    load_scenario,
     network_ms_from,
     parse_args,
-    scaled_doc,
     scenarios_of,
     sim_idle_ttft_ms,
     variants_of,
@@ -25,6 +23,7 @@ from bench.fidelity import (
 from bench.fidelity_load import Live, LoadGen, prompt_of
 from bench.fidelity_obs import Observations, class_metrics, metrics_of, split_metrics
 from bench.fidelity_real import cpu_usage, tenants_doc
+from bench.fidelity_scenarios import SCENARIOS, load_scenario, scaled_doc
 from bench.harness import summarize
 from bench.render_common import RenderError, Results
 from bench.render_fidelity import (
@@ -397,6 +396,39 @@ def test_the_shared_client_rig_is_reported_beside_not_instead_of_the_real_fleet(
     assert "## Sim vs real with one shared client" in text
     assert text.index("## Sim vs real\n") < text.index("shared client") < text.index("## Runs")
     assert "| steady | 0 | real-shared |" in text  # its runs in the Runs table
+
+
+def test_the_default_collector_workers_are_reported_beside_the_real_fleet():
+    """`real-gc-default`: the real fleet with its workers under Python's default GC,
+    compared with the same sim runs in a section of its own; the verdict stays real's."""
+    data = _doc()["data"]
+    data["runs"] += [
+        _run("steady:real-gc-default", 0, 6, {"a": _m(50, 150, 1000, 300),
+                                              "all": _m(50, 150, 1000, 300)}),
+        _run("steady:real-gc-default", 1, 7, {"a": _m(60, 150, 1000, 300),
+                                              "all": _m(60, 150, 1000, 300)}),
+    ]
+    met, n, _ = headline(compare(data["runs"], "steady", ["a"]))
+    assert (met, n) == (6, 8)
+    gc_rows = {(r.cls, r.metric.key): r for r in compare(data["runs"], "steady", ["a"],
+                                                         "real-gc-default")}
+    assert gc_rows[("a", "ttft_tail")].real.median == pytest.approx(150.0)
+    text = report(data)
+    assert "## Sim vs real with Python's default collector in the workers" in text
+    assert text.index("## Sim vs real\n") < text.index("default collector in the") \
+        < text.index("## Runs")
+    assert "| steady | 0 | real-gc-default |" in text  # its runs in the Runs table
+
+
+def test_the_default_collector_variant_runs_its_workers_with_gc_young_objects_0(tmp_path):
+    args = parse_args(["--variants", "sim,real,real-gc-default"])
+    assert variants_of(args) == ["sim", "real", "real-gc-default"]
+    bench = Bench(args, scenarios_of(args), "nats://127.0.0.1:1", None, tmp_path, "1")
+    real, gc_default = bench.real_kwargs("p", 4), bench.real_kwargs("p", 4, "real-gc-default")
+    assert real["spec"].gc_young_objects is None  # the worker's own default
+    assert gc_default["spec"].gc_young_objects == 0
+    assert real["prefix"] != gc_default["prefix"]  # its own subjects, streams and logs
+    assert real["log_dir"] != gc_default["log_dir"]
 
 
 def test_a_run_over_two_fleet_sizes_is_judged_per_size(tmp_path):
