@@ -59,7 +59,8 @@ one run, one calibrated `network_ms` for all: how the error moves with the load 
 real fleet puts on this machine (bench/results/fidelity_workers.md).
 
 Writes bench/results/fidelity.{md,json} (`--out-dir`, `--stem`). Runtime on the 2-core
-dev VM: full (5 reps) ~14 min, ~26 min with `real-shared`, ~28 with `--workers 2,4`;
+dev VM: full (5 reps) ~14 min, ~26 min with `real-shared` or `real-gc-default`, ~28
+with `--workers 2,4`;
 `--quick` (1 rep, 30 s scenarios) ~2 min.
 """
 
