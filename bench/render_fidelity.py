@@ -302,6 +302,18 @@ def diagnostics_table(data: dict) -> str:
     return table(header, "lrlrrrrrl", rows)
 
 
+# The variants reported beside the judged sim vs real, when a run has them: (variant,
+# heading, what it is, the (real, sim) pair its table compares).
+SIDE_SECTIONS = (
+    (SIM_CONSTANT, "## The simulator as calibrated before (sim-constant)", CONSTANT_TEXT,
+     (REAL, SIM_CONSTANT)),
+    (REAL_SHARED, "## Sim vs real with one shared client (the earlier rig)", SHARED_TEXT,
+     (REAL_SHARED, SIM)),
+    (REAL_GC, "## Sim vs real with Python's default collector in the workers", GC_TEXT,
+     (REAL_GC, SIM)),
+)
+
+
 def report(data: dict) -> str:
     """The results markdown's body (bench/fidelity.py)."""
     parts = ["## Sim vs real", "", comparison_table(data)]
@@ -309,15 +321,9 @@ def report(data: dict) -> str:
     if split:
         parts += ["", "## Where the TTFT goes (diagnostic)", "", SPLIT_TEXT, "", split]
     variants = {str(r.get("variant", "")).partition(":")[2] for r in data.get("runs", [])}
-    if SIM_CONSTANT in variants:
-        parts += ["", "## The simulator as calibrated before (sim-constant)", "",
-                  CONSTANT_TEXT, "", comparison_table(data, REAL, SIM_CONSTANT)]
-    if REAL_SHARED in variants:
-        parts += ["", "## Sim vs real with one shared client (the earlier rig)", "",
-                  SHARED_TEXT, "", comparison_table(data, REAL_SHARED)]
-    if REAL_GC in variants:
-        parts += ["", "## Sim vs real with Python's default collector in the workers", "",
-                  GC_TEXT, "", comparison_table(data, REAL_GC)]
+    for variant, heading, text, (real, sim) in SIDE_SECTIONS:
+        if variant in variants:
+            parts += ["", heading, "", text, "", comparison_table(data, real, sim)]
     parts += ["", "## Runs", "", diagnostics_table(data)]
     notes = data.get("notes") or []
     if notes:

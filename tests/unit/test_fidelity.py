@@ -378,46 +378,33 @@ def test_the_ttft_split_table_compares_each_part_and_is_absent_without_data(tmp_
     assert split_table(doc["data"]) in report(doc["data"])
 
 
-def test_the_shared_client_rig_is_reported_beside_not_instead_of_the_real_fleet():
+@pytest.mark.parametrize(("variant", "tail_ms", "key", "expected", "heading"), [
+    # real-shared: the real fleet with one client for every class (the earlier rig)
+    ("real-shared", 120, "ttft_p50_ms", 55.0, "## Sim vs real with one shared client"),
+    # real-gc-default: its workers under Python's default garbage collector
+    ("real-gc-default", 150, "ttft_tail", 150.0,
+     "## Sim vs real with Python's default collector in the workers"),
+])
+def test_a_side_variant_is_reported_beside_not_instead_of_the_real_fleet(
+        variant, tail_ms, key, expected, heading):
+    """Compared with the same sim runs in a section of its own, between the judged
+    comparison and the Runs table; the verdict stays sim vs real's."""
     data = _doc()["data"]
     data["runs"] += [
-        _run("steady:real-shared", 0, 6, {"a": _m(50, 120, 1000, 300),
-                                          "all": _m(50, 120, 1000, 300)}),
-        _run("steady:real-shared", 1, 7, {"a": _m(60, 120, 1000, 300),
-                                          "all": _m(60, 120, 1000, 300)}),
+        _run(f"steady:{variant}", 0, 6, {"a": _m(50, tail_ms, 1000, 300),
+                                         "all": _m(50, tail_ms, 1000, 300)}),
+        _run(f"steady:{variant}", 1, 7, {"a": _m(60, tail_ms, 1000, 300),
+                                         "all": _m(60, tail_ms, 1000, 300)}),
     ]
     # The judged comparison is still sim vs real.
     met, n, _ = headline(compare(data["runs"], "steady", ["a"]))
     assert (met, n) == (6, 8)
-    shared = {(r.cls, r.metric.key): r for r in compare(data["runs"], "steady", ["a"],
-                                                        "real-shared")}
-    assert shared[("a", "ttft_p50_ms")].real.median == pytest.approx(55.0)
+    side = {(r.cls, r.metric.key): r for r in compare(data["runs"], "steady", ["a"], variant)}
+    assert side[("a", key)].real.median == pytest.approx(expected)
     text = report(data)
-    assert "## Sim vs real with one shared client" in text
-    assert text.index("## Sim vs real\n") < text.index("shared client") < text.index("## Runs")
-    assert "| steady | 0 | real-shared |" in text  # its runs in the Runs table
-
-
-def test_the_default_collector_workers_are_reported_beside_the_real_fleet():
-    """`real-gc-default`: the real fleet with its workers under Python's default GC,
-    compared with the same sim runs in a section of its own; the verdict stays real's."""
-    data = _doc()["data"]
-    data["runs"] += [
-        _run("steady:real-gc-default", 0, 6, {"a": _m(50, 150, 1000, 300),
-                                              "all": _m(50, 150, 1000, 300)}),
-        _run("steady:real-gc-default", 1, 7, {"a": _m(60, 150, 1000, 300),
-                                              "all": _m(60, 150, 1000, 300)}),
-    ]
-    met, n, _ = headline(compare(data["runs"], "steady", ["a"]))
-    assert (met, n) == (6, 8)
-    gc_rows = {(r.cls, r.metric.key): r for r in compare(data["runs"], "steady", ["a"],
-                                                         "real-gc-default")}
-    assert gc_rows[("a", "ttft_tail")].real.median == pytest.approx(150.0)
-    text = report(data)
-    assert "## Sim vs real with Python's default collector in the workers" in text
-    assert text.index("## Sim vs real\n") < text.index("default collector in the") \
-        < text.index("## Runs")
-    assert "| steady | 0 | real-gc-default |" in text  # its runs in the Runs table
+    assert heading in text
+    assert text.index("## Sim vs real\n") < text.index(heading) < text.index("## Runs")
+    assert f"| steady | 0 | {variant} |" in text  # its runs in the Runs table
 
 
 def test_the_default_collector_variant_runs_its_workers_with_gc_young_objects_0(tmp_path):
