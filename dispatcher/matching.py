@@ -63,6 +63,7 @@ class Matching:
     epoch: int
     nc: Any
     _pulls: deque[WaitingPull]
+    _pull_of: dict[str, WaitingPull]  # each worker's newest waiting pull
     _wake: asyncio.Event
 
     async def _on_pull(self, msg: Msg) -> None:
@@ -76,7 +77,17 @@ class Matching:
         now = mono_ms()
         await self._apply(self.core.on_pull(pull.worker_id, pull.free_kv_tokens, now,
                                             pull.incarnation))
-        self._pulls.append(WaitingPull.of(pull, msg.reply, now + pull.wait_ms))
+        # A newer pull from the same worker process replaces its waiting one: a worker
+        # whose pull had no slot free sends a new one when a slot frees while it waits,
+        # rather than leave that slot unadvertised for up to pull_wait_ms. The old one
+        # is answered empty at the next pass (no room, due now).
+        old = self._pull_of.get(pull.worker_id)
+        if old is not None and not old.given and old.pull.incarnation == pull.incarnation:
+            old.max_items = old.free_slots = 0
+            old.expires_ms = now
+        waiting = WaitingPull.of(pull, msg.reply, now + pull.wait_ms)
+        self._pull_of[pull.worker_id] = waiting
+        self._pulls.append(waiting)
         self._wake.set()
 
     async def _match_loop(self) -> None:
@@ -119,6 +130,9 @@ class Matching:
             alive = self.core.is_alive(p.pull.worker_id, p.pull.incarnation)
             (answer if p.given or now >= p.expires_ms or not alive else pending).append(p)
         self._pulls = pending
+        for p in answer:
+            if self._pull_of.get(p.pull.worker_id) is p:
+                del self._pull_of[p.pull.worker_id]
         epoch_ms = now_ms()
         for p in answer:
             items = [work_item(d, now, epoch_ms) for d in p.given]

@@ -94,6 +94,7 @@ class Dispatcher(Ingest, Matching):
         self.workers = self.core.workers
         self._held = HeldMessages(s.ack_wait_s)
         self._pulls: deque[WaitingPull] = deque()
+        self._pull_of: dict[str, WaitingPull] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()  # CheckStarted look-ups in progress

@@ -7,17 +7,16 @@ scheduling, preemption and recovery decision is `dispatcher.scheduler.pool.PoolC
 the glue the real processes provide over NATS, written as events:
 
 - a worker pulls when it has room (`gpu_worker.room`: batch cap + prefetch), one pull
-  at a time; the dispatcher answers at once or holds the pull until work arrives or
-  `pull_wait_ms`; queued work is spread over the waiting pulls, free slots first
-  (`dispatcher.scheduler.spread`); when work waits and no pull has a free slot the
-  core is asked for preemptions (as `dispatcher.service`);
+  at a time but for one sent full, replaced when a slot frees (`gpu_worker.pulling`);
+  the dispatcher answers at once or holds it until work arrives or `pull_wait_ms`;
+  queued work is spread over the waiting pulls, free slots first (`scheduler.spread`);
+  when work waits and no pull has a free slot, the core is asked for preemptions;
 - every message between dispatcher and worker takes `network_ms`;
 - an engine runs one step at a time, or a run of steps at once when nothing can
   change its batch (`BatchCore.steps_until_change`), cut at the step in progress when
   work arrives mid-run (the real engine admits it there); a run costs O(1) whatever
   the batch: only sequences whose state changes are touched (first token, finish,
   preemption), and tokens are reported when a sequence leaves the batch;
-- as `SimEngine`, a prompt that reaches the longest sequence is refused, an output cut;
 - heartbeats (every worker's in one event: they beat in step) and housekeeping go to
   the core as the shell sends them, so its liveness rules see a live fleet.
 
@@ -53,7 +52,7 @@ from fairlane.poolconfig import SchedulerConfig
 from fairlane.protocol import EngineLoad
 from fleetsim.events import event_heap
 from fleetsim.records import Arrival, Sink, StopRun, TenantTable
-from fleetsim.state import FleetSettings, Pull, PullLine, Req, Run, Worker
+from fleetsim.state import FleetSettings, Pull, PullLine, Req, Run, Worker, engine_load
 from gpu_worker.room import pull_room_of
 from gpu_worker.sim.batch import BatchCore, Seq, SeqState
 from gpu_worker.sim.step_model import StepModel, load_step_model
@@ -81,16 +80,15 @@ class Fleet:
                                       kv_tokens_total=self.s.kv_tokens_total, step_log_size=0))
             for i in range(self.s.num_workers)]
         self._by_id = {w.worker_id: w for w in self.workers}
-        # As SimEngine's: a prompt that reaches the longest sequence is refused, an output cut.
+        # As `SimEngine`, a prompt that reaches the longest sequence is refused, an output cut.
         self.max_seq_len = self.workers[0].core.max_seq_len(self.s.max_model_len)
         self._events = event_heap()  # timers and step ends
         self._net: deque[tuple[float, int, Callable, object]] = deque()  # in time order
         self._expiries: deque[tuple[float, int, Pull]] = deque()  # (time, seq, pull)
         self._seq = 0  # the last event's number (an int: next() on a count is a generic call)
-        # Waiting pulls by arrival, those with a free slot apart (served first); the
-        # pulls a serving pass gave work to (`_take`), answered at its end.
+        # Waiting pulls by arrival, those with a free slot apart (served first, `_line`)
         self._pulls_free, self._pulls_prefetch = PullLine(), PullLine()
-        self._served: list[Pull] = []
+        self._served: list[Pull] = []  # given work by a serving pass: answered at its end
         # `spread`'s callbacks, bound once (compiled, `self._take` is a new object each use)
         self._take_fn: Callable[[Pull, int], int] = self._take
         self._num_queued_fn: Callable[[], int] = self._num_queued
@@ -129,10 +127,9 @@ class Fleet:
         next_progress_ms = 0.0
         events, net, expiries = self._events, self._net, self._expiries
         while True:
-            # The next event is the earliest (time, seq) of three queues: the heap
-            # (timers, step ends), the messages and the pull expiries, FIFOs already in
-            # (time, seq) order as their delays are fixed (O(1), not a heap operation,
-            # for ~5 of a request's ~8.5 events): the order one heap would give.
+            # The earliest (time, seq) of the heap (timers, step ends) and two FIFOs in
+            # (time, seq) order as their delays are fixed, the messages and the pull
+            # expiries (O(1), not a heap operation, for ~5 of a request's ~8.5 events).
             src, t_ev, seq_ev = 0, inf, 0
             if events:
                 src, t_ev, seq_ev = 1, events.head_t_ms(), events.head_seq()
@@ -231,30 +228,32 @@ class Fleet:
             spread(chain(free, prefetch), num_queued, take, Pull.room)
         if served:
             for p in served:
-                (free if p.free_slots else prefetch).remove(p)
-                self._send(self._on_batch, (p.worker, p.given))
+                self._line(p).remove(p)
+                self._send(self._on_batch, (p, p.given))
             served.clear()
         self._maybe_preempt()
 
-    def _num_queued(self) -> int:
+    def _num_queued(self) -> int:  # `spread`'s
         return self.scheduler.num_queued
 
     def _take(self, p: Pull, n: int) -> int:
         """`spread`'s take; a pull's first work makes it one to answer."""
         first = not p.given
         got = p.take(self.core, p.worker.worker_id, n, self.now_ms)
-        # NOTHING_ELIGIBLE: what is queued may not go now (quota-blocked tenants).
-        # Whether select finds something does not depend on the (live) pull, and a
-        # select that finds nothing leaves nothing behind that would make the next one
-        # find something (DRR/VTC park the blocked tenants, fifo puts back what it
-        # scanned): no other pull would get any; `spread` stops there (as the dispatcher).
+        # NOTHING_ELIGIBLE: what is queued may not go now (quota-blocked tenants). That
+        # does not depend on the (live) pull, and such a select leaves nothing that would
+        # let the next find something (DRR/VTC park blocked tenants, fifo puts back what
+        # it scanned): no other pull would get any; `spread` stops (as the dispatcher).
         if got > 0 and first:
             self._served.append(p)
         return got
 
+    def _line(self, p: Pull) -> PullLine:
+        return self._pulls_free if p.free_slots else self._pulls_prefetch
+
     def _expire_pull(self, p: Pull) -> None:
-        if (self._pulls_free if p.free_slots else self._pulls_prefetch).remove(p):
-            self._send(self._on_batch, (p.worker, []))
+        if self._line(p).remove(p):
+            self._send(self._on_batch, (p, []))
 
     def _housekeeping(self, _: object) -> None:
         self._apply(self.core.tick(self.now_ms))
@@ -273,7 +272,10 @@ class Fleet:
 
     def _on_pull(self, p: Pull) -> None:
         self._apply(self.core.on_pull(p.worker.worker_id, p.free_kv_tokens, self.now_ms))
-        (self._pulls_free if p.free_slots else self._pulls_prefetch).add(p)
+        old, p.replaces = p.replaces, None
+        if old is not None and self._line(old).remove(old):
+            self._send(self._on_batch, (old, []))  # replaced: answered empty
+        self._line(p).add(p)
         # expires_ms is now + pull_wait_ms (sent network_ms ago, it waits that long here)
         self._expiries.append((p.expires_ms, self._next_seq(), p))
         self._serve_pulls()
@@ -296,7 +298,7 @@ class Fleet:
         """Every worker's heartbeat (they beat in step): one event, not one per worker,
         each worker's message handled in the same order as separate events would be."""
         beats = [(w, list(w.seqs), [rid for rid, s in w.seqs.items() if s.owner.started],
-                  self._load(w.core)) for w in self.workers]
+                  engine_load(w.core)) for w in self.workers]
         self._send(self._on_heartbeats, beats)
         self._at(self.now_ms + self.s.heartbeat_ms, self._heartbeats)
 
@@ -306,30 +308,30 @@ class Fleet:
                                                interval_ms=self.s.heartbeat_ms,
                                                started_ids=started))
 
-    @staticmethod
-    def _load(core: BatchCore) -> EngineLoad:
-        return EngineLoad(num_running=len(core.running), num_waiting=core.num_waiting,
-                          max_num_seqs=core.max_num_seqs, kv_tokens_used=core.kv_tokens_used,
-                          kv_tokens_total=core.kv_tokens_total)
-
     def _pull(self, w: Worker) -> None:
-        """The worker's pull loop: ask for work when there is room (`gpu_worker.room`)."""
-        if w.pulling:
+        """`gpu_worker.pulling`: ask for the room beyond what unanswered pulls asked for;
+        with one waiting, only to replace one sent with no slot free, once one is."""
+        core, waiting = w.core, w.pull
+        if waiting is not None and waiting.free_slots:
             return
-        core = w.core
         room, free_slots, free_kv = pull_room_of(
             len(core.running), core.num_waiting, core.free_blocks * core.block_size,
             len(w.seqs), core.max_num_seqs, self.s.prefetch_seqs)
-        if room <= 0:
+        room -= w.asked
+        if room <= 0 or (waiting is not None and not free_slots):
             return  # asks again when a slot frees (a finish)
-        w.pulling = True
         expires_ms = self.now_ms + self.s.network_ms + self.s.pull_wait_ms
-        self._send(self._on_pull, Pull(max_items=room, free_slots=free_slots,
-                                       free_kv_tokens=free_kv, worker=w, expires_ms=expires_ms))
+        w.pull = p = Pull(max_items=room, free_slots=min(free_slots, room),
+                          free_kv_tokens=free_kv, worker=w, expires_ms=expires_ms,
+                          replaces=waiting)
+        w.asked += room
+        self._send(self._on_pull, p)
 
-    def _on_batch(self, arg: tuple[Worker, list[Dispatch]]) -> None:
-        w, items = arg
-        w.pulling = False
+    def _on_batch(self, arg: tuple[Pull, list[Dispatch]]) -> None:
+        p, items = arg
+        w = p.worker
+        w.asked -= p.asked
+        w.pull = None if w.pull is p else w.pull
         for d in items:
             self._accept(w, d)
         self._pull(w)
@@ -380,8 +382,7 @@ class Fleet:
     # --- the engine: steps and runs -------------------------------------------------------
 
     def _wake(self, w: Worker) -> None:
-        """New work for an idle engine starts a step now; a run in progress is cut at
-        its step in progress (the engine admits at the next step boundary)."""
+        """New work: an idle engine starts a step, a run is cut at its step in progress."""
         if w.run is None:
             self._start_steps(w)
         else:
@@ -463,8 +464,8 @@ class Fleet:
         self._pull(w)
 
     def _report_tokens(self, seq: Seq, end_ms: float) -> None:
-        """The tokens `seq` generated since its last report, spread over the time
-        since (`Sink.on_tokens`): once per residency in a batch, not per step."""
+        """`seq`'s tokens since its last report, spread over the time since (once per
+        residency in a batch, not per step)."""
         r: Req = seq.owner
         n = seq.num_output_tokens - r.tok_out
         if n > 0:
@@ -473,8 +474,7 @@ class Fleet:
         r.tok_ms, r.tok_out = end_ms, r.tok_out + n
 
     def _flush_tokens(self) -> None:
-        """At the end: runs in progress applied up to their last step that ended (as
-        stepping one at a time would have), then the running sequences' tokens."""
+        """At the end: runs cut at their last step that ended, the running's tokens."""
         for w in self.workers:
             self._cut(w)
             t_ms = w.run.start_ms if w.run is not None else self.now_ms

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dispatcher.scheduler.spread import PullShare
+from fairlane.protocol import EngineLoad
 from fleetsim.records import Arrival
 from gpu_worker.sim.batch import BatchCore, Seq
 
@@ -118,13 +119,18 @@ class Pull(PullShare):
     worker: Worker
     expires_ms: float
     waiting: bool  # in its `PullLine` (answered or expired: no longer)
+    # The worker's pull this one replaces (a slot freed while that one waited, with no
+    # free slot: `gpu_worker.pulling`), until the dispatcher has it.
+    replaces: Pull | None
+    asked: int  # max_items as sent (leaving its line sets max_items to 0)
 
     def __init__(self, *, max_items: int, free_slots: int, free_kv_tokens: int,
-                 worker: Worker, expires_ms: float) -> None:
+                 worker: Worker, expires_ms: float, replaces: Pull | None = None) -> None:
         # Not super(): a slots dataclass is a new class, which zero-argument super()
         # does not see.
         PullShare.__init__(self, max_items, free_slots, free_kv_tokens)
         self.worker, self.expires_ms, self.waiting = worker, expires_ms, False
+        self.replaces, self.asked = replaces, max_items
 
 
 class PullLine:
@@ -211,6 +217,14 @@ class Worker:
     worker_id: str
     core: BatchCore
     seqs: dict[str, Seq] = field(default_factory=dict)  # accepted, not ended
-    pulling: bool = False
+    pull: Pull | None = None  # its pull not answered yet (the newest, if it replaced one)
+    asked: int = 0  # what its pulls not answered yet asked for, together
     run: Run | None = None
     version: int = 0  # bumps when a run is cut: its end event is stale
+
+
+def engine_load(core: BatchCore) -> EngineLoad:
+    """What a worker's heartbeat says of its engine (as `SimEngine.load`)."""
+    return EngineLoad(num_running=len(core.running), num_waiting=core.num_waiting,
+                      max_num_seqs=core.max_num_seqs, kv_tokens_used=core.kv_tokens_used,
+                      kv_tokens_total=core.kv_tokens_total)

@@ -3,11 +3,8 @@
 The engine (`gpu_worker.engine.Engine`) does the generating; this module owns every
 NATS interaction (DESIGN.md sections 3, 4 and 6):
 
-- pull loop: a core request on ``fl.work.<pool>`` (`PullRequest`, answered with a
-  `WorkBatch`) only while there is headroom: at most ``max_num_seqs + prefetch_seqs``
-  requests in flight and at most ``prefetch_seqs`` queued inside the engine (so work
-  is placed as late as possible). Without room it waits for a slot event (a request
-  started or finished), never polls.
+- pull loop (`gpu_worker.pulling.Pulling`, mixed into `Worker`): a core request on
+  ``fl.work.<pool>`` only while there is headroom; never polls.
 - per request (`gpu_worker.serving.RequestServing`, mixed into `Worker`): one task
   streams coalesced `TokenChunk`s (``seq`` from 0) to the request's ``reply_to``;
   `Started` on the first token, `Finished` at the end, and the `Usage` to JetStream
@@ -24,7 +21,6 @@ import nats
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
 
 from fairlane.gctune import refreeze
 from fairlane.looplag import watch_loop_lag
@@ -35,13 +31,11 @@ from fairlane.protocol import (
     ErrorInfo,
     Heartbeat,
     ProtocolError,
-    PullRequest,
     Requeue,
     WorkItem,
     decode_cancel,
     decode_heartbeat_ack,
     decode_preempt,
-    decode_work_batch,
     encode,
 )
 from fairlane.runtime import Stopped, cancel_and_wait, log_nats_error, now_ms, until_stopped
@@ -53,20 +47,17 @@ from gpu_worker.epoch import EpochGuard
 from gpu_worker.inflight import InFlight, mono_s
 from gpu_worker.lease import WorkerLease, new_incarnation
 from gpu_worker.metrics import WorkerMetrics
-from gpu_worker.room import pull_room
+from gpu_worker.pulling import PULL_TIMEOUT_MARGIN_MS, Pulling
 from gpu_worker.serving import RequestServing
 
 log = structlog.get_logger(__name__)
 
-PULL_TIMEOUT_MARGIN_MS = 2_000  # on top of wait_ms: the dispatcher answers within wait_ms
-BACKOFF_MIN_S = 0.05
-BACKOFF_MAX_S = 2.0
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 EXIT_FAILED = 1
 
 
-class Worker(RequestServing):
+class Worker(Pulling, RequestServing):
     def __init__(self, settings: WorkerSettings, engine: Engine, nc: NATS | None = None,
                  owns_engine: bool = True) -> None:
         self.s = settings
@@ -87,6 +78,9 @@ class Worker(RequestServing):
         self._dead_reason = ""
         self.num_pulls = 0
         self.num_pulls_failed = 0
+        self.num_pulls_replaced = 0  # sent because a slot freed while a pull waited
+        self._pulls_out: set[asyncio.Task] = set()
+        self._asked = 0
         self._epochs = EpochGuard()  # newest dispatcher lease epoch seen (fencing)
         # One incarnation per process start (and per rejoin after fencing): the
         # dispatcher tells a restart under the same worker id from the old process.
@@ -153,7 +147,7 @@ class Worker(RequestServing):
             self._closing = True
             await asyncio.gather(*(cancel_and_wait(t)
                                    for t in (stop_task, dead_task, hb_task, pull_task,
-                                             lag_task)))
+                                             lag_task, *self._pulls_out)))
             with contextlib.suppress(Exception):
                 for sub in cancel_subs:
                     await sub.unsubscribe()
@@ -181,10 +175,12 @@ class Worker(RequestServing):
                 r.signal()
         await self._heartbeat(timeout_s=0.3)  # stop may be due to NATS being gone
         # An outstanding long-poll may still bring items; they are handed back on arrival.
+        # (A pull a newer one replaced is answered at once; it is waited for too.)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
-                asyncio.shield(pull_task), (self.s.pull_wait_ms + PULL_TIMEOUT_MARGIN_MS) / 1000
-            )
+                asyncio.shield(asyncio.gather(pull_task, *self._pulls_out,
+                                              return_exceptions=True)),
+                (self.s.pull_wait_ms + PULL_TIMEOUT_MARGIN_MS) / 1000)
         tasks = [r.task for r in self._reqs.values() if r.task is not None]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self.s.drain_timeout_s)
@@ -214,6 +210,8 @@ class Worker(RequestServing):
         self._draining = True
         self._drain_event.set()
         pull_task.cancel()
+        for task in self._pulls_out:
+            task.cancel()
         info = ErrorInfo.of(ErrorCode.ENGINE_ERROR, f"engine failed: {self._dead_reason}")
         for r in list(self._reqs.values()):
             r.fail = info
@@ -233,81 +231,7 @@ class Worker(RequestServing):
         if self._background:
             await asyncio.wait(list(self._background), timeout=10.0)
 
-    # --- pulling --------------------------------------------------------------------
-
-    def _room(self) -> tuple[int, int, int]:
-        """(how many items to ask for, of those how many would start at once, free KV
-        tokens). Raises EngineDead."""
-        return pull_room(self.engine.load(), len(self._reqs), self.s.max_num_seqs,
-                         self.s.prefetch_seqs)
-
-    async def _pull_loop(self) -> None:
-        assert self._nc is not None
-        subject = self.subjects.work(self.s.pool)
-        timeout_s = (self.s.pull_wait_ms + PULL_TIMEOUT_MARGIN_MS) / 1000
-        backoff_s = BACKOFF_MIN_S
-        while not self._draining:
-            self._slot_event.clear()
-            try:
-                room, free_slots, free_kv = self._room()
-            except EngineDead as exc:
-                self._engine_died(str(exc))
-                return
-            if room <= 0:
-                await self._slot_event.wait()
-                continue
-            if not self._lease.valid(mono_s()):
-                # No acknowledged heartbeat (yet): take no work we may not report on.
-                await self._lease.wait_changed(0.25)
-                continue
-            pull = PullRequest(
-                worker_id=self.worker_id,
-                pool=self.s.pool,
-                max_items=min(room, 4096),
-                free_kv_tokens=free_kv,
-                wait_ms=min(self.s.pull_wait_ms, 60_000),
-                incarnation=self.incarnation,
-                free_slots=free_slots,
-            )
-            self.num_pulls += 1
-            try:
-                msg = await self._nc.request(subject, encode(pull), timeout=timeout_s)
-                batch = decode_work_batch(msg.data)
-            except (NoRespondersError, TimeoutError, ProtocolError, nats.errors.Error) as exc:
-                # No dispatcher (yet), a slow one, a reconnect: back off and ask again.
-                self.num_pulls_failed += 1
-                level = self.log.debug if isinstance(exc, NoRespondersError) else self.log.warning
-                level("pull_failed", error=repr(exc), backoff_ms=round(backoff_s * 1000))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._drain_event.wait(), backoff_s)
-                backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
-                continue
-            backoff_s = BACKOFF_MIN_S
-            if batch.items and not self._epochs.admit(batch.epoch):
-                # A deposed leader's batch: never start it; hand it back.
-                self.log.warning("stale_epoch_refused", epoch=batch.epoch,
-                                 newest=self._epochs.newest, num_items=len(batch.items))
-                for item in batch.items:
-                    await self._refuse_stale(item)
-                continue
-            if pull.incarnation != self.incarnation:
-                # Fenced while the pull was out: that incarnation's work is not ours.
-                self.log.warning("stale_incarnation_batch", num_items=len(batch.items))
-                continue
-            if batch.items:
-                self.log.debug("pulled", num_items=len(batch.items), max_items=pull.max_items)
-            for item in batch.items:
-                await self._accept(item)
-
-    async def _refuse_stale(self, item: WorkItem) -> None:
-        """Hand back work a deposed leader dispatched: never start it."""
-        if item.ack_subject:
-            # Its message goes straight back to JetStream: the deposed leader holds
-            # it, and the new one would otherwise get it only after ack_wait.
-            with contextlib.suppress(Exception):
-                await self._nc.publish(item.ack_subject, b"-NAK")
-        await self._event(Requeue(request_id=item.request.request_id,
-                                  worker_id=self.worker_id, reason="stale_epoch"))
+    # --- pulling: `gpu_worker.pulling` ----------------------------------------------
 
     async def _accept(self, item: WorkItem) -> None:
         rid = item.request.request_id

@@ -168,6 +168,33 @@ async def test_queued_work_is_spread_over_the_waiting_pulls(env, nc):
         s.request_id for s in streams)
 
 
+async def test_a_newer_pull_from_a_worker_replaces_its_waiting_one(env, nc):
+    """A worker whose pull had no slot free sends a new one when a slot frees
+    (`gpu_worker.pulling`). The dispatcher answers the old one empty at once, not at
+    the end of its 30-s wait; the new one's free slot takes the next request, and once
+    it is answered the dispatcher keeps nothing of either."""
+    dispatcher, client, subjects = env
+    w = ScriptedWorker(nc, subjects, "p", "w1")
+    await w.start()
+
+    async def pull(max_items: int, free_slots: int):
+        return await nc.request(subjects.work("p"), encode(PullRequest(
+            worker_id="w1", pool="p", max_items=max_items, free_slots=free_slots,
+            wait_ms=30_000)), timeout=35)
+
+    full = asyncio.create_task(pull(1, 0))
+    await wait_until(lambda: len(dispatcher._pulls) == 1)
+    t0 = mono_ms()
+    free = asyncio.create_task(pull(1, 1))
+    assert decode_work_batch((await asyncio.wait_for(full, 5)).data).items == []
+    assert mono_ms() - t0 < 5_000
+    assert [p.free_slots for p in dispatcher._pulls] == [1]
+    stream = await client.submit(spec(tenant="acme", pool="p", prompt="hi", max_tokens=3))
+    items = decode_work_batch((await asyncio.wait_for(free, 5)).data).items
+    assert [i.request.request_id for i in items] == [stream.request_id]
+    assert not dispatcher._pulls and not dispatcher._pull_of
+
+
 @pytest.mark.parametrize(
     "body, code",
     [

@@ -44,7 +44,7 @@ from fairlane.subjects import Subjects
 from gpu_worker.config import WorkerSettings
 from gpu_worker.service import EXIT_ENGINE_DEAD, Worker
 from gpu_worker.sim.engine import SimEngine
-from tests.helpers import request
+from tests.helpers import request, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -71,6 +71,10 @@ class FakeDispatcher:
         self._tasks: set[asyncio.Task] = set()
         self.sub = None
         self.lost_incarnations: set[str] = set()  # answered "unknown" (fencing tests)
+        # The waiting pull's "replaced" flag: a newer pull from the worker answers the
+        # older one empty at once, as `dispatcher.matching` does.
+        self._waiting: asyncio.Event | None = None
+        self.num_replaced = 0
 
     def knows(self, incarnation: str) -> bool:
         return incarnation not in self.lost_incarnations
@@ -122,10 +126,20 @@ class FakeDispatcher:
     async def _answer(self, msg: Msg, pull: PullRequest) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + pull.wait_ms / 1000
+        if self._waiting is not None:
+            self._waiting.set()
+            self._changed.set()
+        self._waiting = replaced = asyncio.Event()
         while not self.pending and loop.time() < deadline:  # long-poll
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
+            if replaced.is_set():
+                self.num_replaced += 1
+                await msg.respond(encode(WorkBatch()))
+                return
+        if self._waiting is replaced:
+            self._waiting = None
         items = [self.pending.popleft() for _ in range(min(pull.max_items, len(self.pending)))]
         self.given.extend(i.request.request_id for i in items)
         self.max_outstanding = max(self.max_outstanding, self.outstanding)
@@ -300,6 +314,33 @@ async def test_pulls_only_with_headroom(nats_server, uid, dispatcher):
     for i in range(20):
         assert dispatcher.chunks[f"h{i}"][-1].finish_reason == "stop"
     assert max(h.load.num_running for h in dispatcher.of(Heartbeat)) <= 2
+
+
+async def test_a_slot_that_frees_while_a_full_pull_waits_is_advertised_at_once(
+        nats_server, uid, dispatcher):
+    """One slot and one prefetch: while its request runs, the worker's pull has no slot
+    free (prefetch room only). When the request ends, the worker does not leave that
+    slot hidden for the rest of the pull's wait: it sends a new pull with the free
+    slot, and the old one is answered empty (as `dispatcher.matching` answers it).
+    Until that answer is in, the old pull's one item counts as taken: the new one asks
+    for 1."""
+    subjects = dispatcher.subjects
+    dispatcher.add(work_item(subjects, "s1", out=30))
+    async with worker_running(nats_server, uid, max_num_seqs=1, prefetch_seqs=1,
+                              pull_wait_ms=3_000) as (worker, *_):
+        await dispatcher.wait(lambda: dispatcher.complete("s1"))
+        await dispatcher.wait(lambda: dispatcher.num_replaced == 1)
+        # (max_items, free_slots): while s1 ran, prefetch room only; then the slot.
+        assert [(p.max_items, p.free_slots) for p in dispatcher.pulls] == [
+            (2, 1), (1, 0), (1, 1)]
+        assert worker.num_pulls_replaced == 1
+        await wait_until(lambda: len(worker._pulls_out) == 1)  # the old one's answer is in
+        dispatcher.add(work_item(subjects, "s2", out=3))  # the new pull takes it
+        await dispatcher.wait(lambda: dispatcher.complete("s2"))
+        # s2's end freed the slot again: the pull sent full while it ran is replaced.
+        await dispatcher.wait(lambda: dispatcher.num_replaced == 2)
+    assert worker.num_pulls_replaced == 2
+    assert worker.num_pulls_failed == 0
 
 
 async def test_cancel_aborts_running_request(nats_server, nc, uid, dispatcher):

@@ -289,7 +289,7 @@ def test_queued_work_goes_to_free_slots_first_spread_over_the_pulls():
     for i in range(4):
         fleet.core.submit(QueuedRequest(f"r{i}", "a", "standard", 32, 64, 64), 0.0)
     fleet._serve_pulls()
-    batches = {arg[0].worker_id: len(arg[1]) for _, _, fn, arg in fleet._net
+    batches = {arg[0].worker.worker_id: len(arg[1]) for _, _, fn, arg in fleet._net
                if getattr(fn, "__name__", "") == "_on_batch"}
     assert batches == {a.worker_id: 1, b.worker_id: 3}
     assert fleet._pulls_free.num_waiting == 0 and fleet.scheduler.num_queued == 0
@@ -420,3 +420,23 @@ def test_the_engines_length_limit_as_the_simulator_engine_applies_it():
             assert output_tokens == min(1000, limit - prompt)
         # Nothing is left in flight or queued at the dispatcher.
         assert fleet.scheduler.num_queued == 0 and fleet.scheduler.num_in_flight == 0
+
+
+def test_a_slot_that_frees_while_a_full_pull_waits_takes_the_next_request():
+    """Two workers, one slot and one prefetch each; a's long request on w0, its short
+    one on w1, both workers' next pulls sent full (prefetch room only). When the short
+    one ends, w1 replaces its pull with one that has the free slot (`gpu_worker.pulling`),
+    so b's request, arriving while the old pull would still wait (its wait is 30 s here),
+    starts on w1 at once instead of queueing behind the long request on w0."""
+    t = table("a", "b")
+    arrivals = [Arrival(0.1, 0, 32, 2_000, 2_000), Arrival(0.1, 0, 32, 20, 20),
+                Arrival(2.0, 1, 32, 20, 20)]
+    fleet, sink = run(arrivals, t, config(t, preempt=False), 5.0, num_workers=2,
+                      max_num_seqs=1, prefetch_seqs=1, pull_wait_ms=30_000.0)
+    w0, w1 = fleet.workers
+    assert [len(w.seqs) for w in fleet.workers] == [1, 0]  # b's ran on w1 and ended
+    assert sink.ttft[1][0][1] < 0.1  # not behind the 2,000-token request (~20 s)
+    # w1 is back to one pull, waiting with its free slot; nothing asked twice.
+    assert w1.pull is not None and w1.pull.free_slots == 1 and w1.asked == 1
+    assert fleet._pulls_free.num_waiting == 1 and fleet._pulls_prefetch.num_waiting == 1
+    assert w0.pull is not None and w0.pull.free_slots == 0 and w0.asked == 1
