@@ -90,10 +90,10 @@ class PFleet(Fleet):
     # (t, tenant, num_recomputed_tokens, completion_tokens) per Finished with usage
     finished: list[tuple[float, str, int, int]] = field(default_factory=list)
 
-    def _spawn(self, name, args):
+    def _spawn(self, name, args, source=None):
         if name == "dispatcher" and self.metrics_port:
             args = [*args, "--metrics-port", str(self.metrics_port)]
-        return super()._spawn(name, args)
+        return super()._spawn(name, args, source)
 
     async def _on_event(self, msg) -> None:
         await super()._on_event(msg)

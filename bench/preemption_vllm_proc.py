@@ -123,8 +123,8 @@ class WorkerProc(Fleet):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._pgid, signal.SIGKILL)
 
-    def _spawn(self, name, args):
-        proc = super()._spawn(name, args)
+    def _spawn(self, name, args, source=None):
+        proc = super()._spawn(name, args, source)
         self._pgid = proc.pid
         return proc
 
@@ -137,8 +137,8 @@ class DispatcherProc(Fleet):
 
     metrics_port: int = 0
 
-    def _spawn(self, name, args):
-        return super()._spawn(name, [*args, "--metrics-port", str(self.metrics_port)])
+    def _spawn(self, name, args, source=None):
+        return super()._spawn(name, [*args, "--metrics-port", str(self.metrics_port)], source)
 
     def scrape(self) -> dict[str, float] | None:
         """Sums over labels of the preemption counter and the queue and in-flight

@@ -99,6 +99,13 @@ class WorkerMetrics:
         self.requeued = Counter("fairlane_worker_requests_requeued_total",
                                 "Unstarted requests handed back to the dispatcher, by reason",
                                 ["reason"], registry=r)
+        self.pulls = Counter("fairlane_worker_pulls_total",
+                             "Pulls (requests for work) this worker sent: kind=new, or "
+                             "kind=replacement when a slot freed while a pull sent with "
+                             "no slot free waited", ["kind"], registry=r)
+        self.pull_failures = Counter("fairlane_worker_pull_failures_total",
+                                     "Pulls that got no answer (no dispatcher, a timeout, "
+                                     "a reconnect)", registry=r)
         self.prompt_tokens = Counter("fairlane_worker_prompt_tokens_total",
                                      "Prompt tokens of metered requests (FL_USAGE records)",
                                      ["tenant"], registry=r)

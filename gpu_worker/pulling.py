@@ -44,6 +44,7 @@ from gpu_worker.engine import Engine, EngineDead
 from gpu_worker.epoch import EpochGuard
 from gpu_worker.inflight import InFlight, mono_s
 from gpu_worker.lease import WorkerLease
+from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.room import pull_room
 
 PULL_TIMEOUT_MARGIN_MS = 2_000  # on top of wait_ms: the dispatcher answers within wait_ms
@@ -72,6 +73,7 @@ class Pulling:
     _draining: bool
     _epochs: EpochGuard
     _lease: WorkerLease
+    metrics: WorkerMetrics
     _pulls_out: set[asyncio.Task]  # every pull not answered yet, replaced ones too
     _asked: int  # the max_items of those pulls, together
 
@@ -105,8 +107,9 @@ class Pulling:
                            wait_ms=min(self.s.pull_wait_ms, 60_000),
                            incarnation=self.incarnation, free_slots=min(free_slots, room))
 
-    def _send_pull(self, pull: PullRequest) -> asyncio.Task:
+    def _send_pull(self, pull: PullRequest, kind: str = "new") -> asyncio.Task:
         self.num_pulls += 1
+        self.metrics.pulls.labels(kind).inc()
         self._asked += pull.max_items
         task = asyncio.create_task(self._pull_once(pull), name="pull_request")
         self._pulls_out.add(task)
@@ -149,7 +152,7 @@ class Pulling:
                 better = self._replacement(pull)
                 if better is not None:
                     self.num_pulls_replaced += 1
-                    pull, answer = better, self._send_pull(better)
+                    pull, answer = better, self._send_pull(better, "replacement")
             if answer.result():
                 backoff_s = BACKOFF_MIN_S
                 continue
@@ -183,6 +186,7 @@ class Pulling:
             batch = decode_work_batch(msg.data)
         except (NoRespondersError, TimeoutError, ProtocolError, nats.errors.Error) as exc:
             self.num_pulls_failed += 1
+            self.metrics.pull_failures.inc()
             level = self.log.debug if isinstance(exc, NoRespondersError) else self.log.warning
             level("pull_failed", error=repr(exc))
             return False

@@ -340,6 +340,10 @@ async def test_a_slot_that_frees_while_a_full_pull_waits_is_advertised_at_once(
         # s2's end freed the slot again: the pull sent full while it ran is replaced.
         await dispatcher.wait(lambda: dispatcher.num_replaced == 2)
     assert worker.num_pulls_replaced == 2
+    get = worker.metrics.registry.get_sample_value
+    assert get("fairlane_worker_pulls_total", {"kind": "replacement"}) == 2
+    assert get("fairlane_worker_pulls_total", {"kind": "new"}) == worker.num_pulls - 2
+    assert get("fairlane_worker_pull_failures_total") == 0
     assert worker.num_pulls_failed == 0
 
 
@@ -398,6 +402,32 @@ async def test_drain_timeout_gives_started_requests_worker_lost(nats_server, uid
     chunks = dispatcher.chunks["slow"]
     assert_ordered(chunks)
     assert chunks[-1].error.code == ErrorCode.WORKER_LOST and chunks[-1].error.retryable
+
+
+async def test_pulls_that_find_no_dispatcher_are_counted_and_retried(nats_server, nc, uid):
+    """Heartbeats acknowledged but nobody answering pulls (a dispatcher gone from the
+    work subject): each pull fails at once (no responders), is counted
+    (`fairlane_worker_pull_failures_total`) and retried with backoff; once a dispatcher
+    answers, work flows."""
+    subjects = Subjects(f"t{uid}")
+
+    async def ack(msg: Msg) -> None:
+        evt = decode_event(msg.data)
+        if isinstance(evt, Heartbeat) and msg.reply:
+            await msg.respond(encode(HeartbeatAck(known=True, worker_timeout_ms=3_500)))
+
+    hb_sub = await nc.subscribe(subjects.events(POOL), cb=ack)
+    async with worker_running(nats_server, uid) as (worker, *_):
+        get = worker.metrics.registry.get_sample_value
+        await wait_until(lambda: (get("fairlane_worker_pull_failures_total") or 0) >= 2, 10)
+        assert worker.num_pulls_failed >= 2
+        await hb_sub.unsubscribe()
+        d = await FakeDispatcher(nc, subjects).start()
+        try:
+            d.add(work_item(subjects, "late", out=3))
+            await d.wait(lambda: d.complete("late"))
+        finally:
+            await d.stop()
 
 
 async def test_worker_waits_for_a_dispatcher(nats_server, nc, uid):
