@@ -312,8 +312,8 @@ class Fleet:
         """`gpu_worker.pulling`: ask for the room beyond what unanswered pulls asked for;
         with one waiting, only to replace one sent with no slot free, once one is."""
         core, waiting = w.core, w.pull
-        if waiting is not None and waiting.free_slots:
-            return
+        if waiting is not None and (waiting.free_slots or len(w.seqs) >= core.max_num_seqs):
+            return  # (all its slots accepted: no free slot, whatever `pull_room_of` says)
         room, free_slots, free_kv = pull_room_of(
             len(core.running), core.num_waiting, core.free_blocks * core.block_size,
             len(w.seqs), core.max_num_seqs, self.s.prefetch_seqs)
