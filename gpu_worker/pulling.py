@@ -1,6 +1,6 @@
 """The worker's pull loop: ask the dispatcher for work only while there is room.
 
-`Pulling` is the half of `gpu_worker.service.Worker` that asks for work: a core
+`Pulling` is the part of `gpu_worker.service.Worker` that asks for work: a core
 request on ``fl.work.<pool>`` (`PullRequest`, answered with a `WorkBatch`) while there
 is headroom (`gpu_worker.room`: at most ``max_num_seqs + prefetch_seqs`` requests in
 flight, at most ``prefetch_seqs`` queued inside the engine, so work is placed as late
@@ -12,7 +12,7 @@ with no slot free (only prefetch room) would, when a slot frees meanwhile, hide 
 slot for the rest of its wait: the dispatcher sends work to pulls with a free slot
 first and preempts only when none has one. So when a slot frees while such a pull
 waits, the worker sends a new pull, and the dispatcher answers the old one empty
-(`dispatcher.matching`): one extra message per pull sent full, none otherwise.
+(`dispatcher.matching`): at most one extra message per pull sent full, none otherwise.
 
 The old pull may have been answered with work before the dispatcher had the new one:
 until its answer is in, what it asked for counts as taken (`_asked`), so the worker

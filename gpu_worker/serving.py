@@ -1,11 +1,11 @@
 """One request's life on the worker, and what it publishes (DESIGN.md sections 4 and 6).
 
-`RequestServing` is the half of `gpu_worker.service.Worker` that serves one accepted
+`RequestServing` is the part of `gpu_worker.service.Worker` that serves one accepted
 request: a pump task moves engine deltas into the request's queue, and the request's
 task streams coalesced `TokenChunk`s (``seq`` from 0) to the request's ``reply_to``,
 publishes `Started` on the first token and `Finished` at the end, and sends the `Usage`
-to JetStream with ``Nats-Msg-Id = request_id`` (idempotent metering). The other half
-(pulling, cancel, heartbeats, drain) stays in `gpu_worker.service`.
+to JetStream with ``Nats-Msg-Id = request_id`` (idempotent metering). Pulling is
+`gpu_worker.pulling`'s; cancel, heartbeats and drain stay in `gpu_worker.service`.
 """
 
 from __future__ import annotations
