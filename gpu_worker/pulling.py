@@ -62,9 +62,6 @@ class Pulling:
     worker_id: str
     incarnation: str
     log: Any  # a bound structlog logger
-    num_pulls: int
-    num_pulls_failed: int
-    num_pulls_replaced: int
     _nc: NATS | None
     _reqs: dict[str, InFlight]
     _slot_event: asyncio.Event
@@ -83,6 +80,23 @@ class Pulling:
         async def _event(self, evt: msgspec.Struct, r: InFlight | None = None) -> bool: ...
 
         async def _accept(self, item: WorkItem) -> None: ...
+
+    # The counts are the worker's metrics, read back (one record, not a copy beside it).
+    def _count(self, name: str, **labels: str) -> int:
+        return int(self.metrics.registry.get_sample_value(name, labels) or 0)
+
+    @property
+    def num_pulls(self) -> int:  # sent, replacements included
+        return (self._count("fairlane_worker_pulls_total", kind="new")
+                + self.num_pulls_replaced)
+
+    @property
+    def num_pulls_replaced(self) -> int:
+        return self._count("fairlane_worker_pulls_total", kind="replacement")
+
+    @property
+    def num_pulls_failed(self) -> int:
+        return self._count("fairlane_worker_pull_failures_total")
 
     def _room(self) -> tuple[int, int, int]:
         """(how many items to ask for, of those how many would start at once, free KV
@@ -108,7 +122,6 @@ class Pulling:
                            incarnation=self.incarnation, free_slots=min(free_slots, room))
 
     def _send_pull(self, pull: PullRequest, kind: str = "new") -> asyncio.Task:
-        self.num_pulls += 1
         self.metrics.pulls.labels(kind).inc()
         self._asked += pull.max_items
         task = asyncio.create_task(self._pull_once(pull), name="pull_request")
@@ -151,7 +164,6 @@ class Pulling:
                 self._slot_event.clear()
                 better = self._replacement(pull)
                 if better is not None:
-                    self.num_pulls_replaced += 1
                     pull, answer = better, self._send_pull(better, "replacement")
             if answer.result():
                 backoff_s = BACKOFF_MIN_S
@@ -185,7 +197,6 @@ class Pulling:
                                          timeout=timeout_s)
             batch = decode_work_batch(msg.data)
         except (NoRespondersError, TimeoutError, ProtocolError, nats.errors.Error) as exc:
-            self.num_pulls_failed += 1
             self.metrics.pull_failures.inc()
             level = self.log.debug if isinstance(exc, NoRespondersError) else self.log.warning
             level("pull_failed", error=repr(exc))

@@ -76,9 +76,6 @@ class Worker(Pulling, RequestServing):
         self._drain_event = asyncio.Event()
         self._dead = asyncio.Event()
         self._dead_reason = ""
-        self.num_pulls = 0
-        self.num_pulls_failed = 0
-        self.num_pulls_replaced = 0  # sent because a slot freed while a pull waited
         self._pulls_out: set[asyncio.Task] = set()
         self._asked = 0
         self._epochs = EpochGuard()  # newest dispatcher lease epoch seen (fencing)
