@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -129,7 +130,8 @@ class Dispatcher(Ingest, Matching):
                 max_reconnect_attempts=-1, error_cb=log_nats_error,
             )
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.subjects, s)
+        # A cluster may still be electing its JetStream leader: wait, don't exit.
+        await ensure_streams(self.js, self.subjects, s, patience_s=math.inf)
         # A standby waits here: no consumers, no pull/info answers until it leads.
         self.lease = pool_lease(self.js, s.prefix, s.pool, s.leader_lease_ttl_s, self._fenced,
                                 replicas=s.stream_replicas or 1)

@@ -5,17 +5,25 @@ later one changes an existing stream only in the settings it was explicitly give
 (a field left at None keeps the stream's value). Otherwise a process started with
 defaults would quietly undo what an operator set with the `nats` CLI or another
 process's flags. Each change is logged. Safe to run concurrently.
+
+A service (dispatcher, worker) may start before JetStream can answer: a cluster that
+is still electing its meta leader, or a server too busy to reply within the API
+timeout. Those errors pass, so a service waits them out (`patience_s`, logged at each
+try) instead of exiting; a user's producer gives up at once and says why.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from typing import Any
 
+import nats.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from fairlane.natsconn import NatsConnSettings
 from fairlane.subjects import Subjects
@@ -134,9 +142,32 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, asked: dict[str, A
              changes={k: f"{old} -> {new}" for k, (old, new) in changes.items()})
 
 
+# JetStream not answering yet (no reply within the API timeout, nobody serving its API,
+# "temporarily unavailable"): worth another try. Anything else (refused settings,
+# denied permissions) is an answer and is raised at once.
+TRANSIENT_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    ServiceUnavailableError)
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 5.0
+
+
 async def ensure_streams(
-    js: JetStreamContext, subjects: Subjects, settings: StreamSettings | None = None
+    js: JetStreamContext, subjects: Subjects, settings: StreamSettings | None = None, *,
+    patience_s: float = 0.0,
 ) -> None:
+    """Create or adjust both streams. `patience_s`: for how long to retry while
+    JetStream is not answering (`TRANSIENT_ERRORS`); `math.inf` for a service, whose
+    start its stop signal still cancels. Then the last error is raised."""
     s = settings or StreamSettings()
-    await _ensure(js, requests_config(subjects, s), _asked_requests(s))
-    await _ensure(js, usage_config(subjects, s), _asked_usage(s))
+    give_up_at = time.monotonic() + patience_s
+    wait_s = RETRY_FIRST_S
+    while True:
+        try:
+            await _ensure(js, requests_config(subjects, s), _asked_requests(s))
+            await _ensure(js, usage_config(subjects, s), _asked_usage(s))
+            return
+        except TRANSIENT_ERRORS as exc:
+            if time.monotonic() + wait_s > give_up_at:
+                raise
+            log.warning("jetstream_not_answering", error=repr(exc), retry_in_s=wait_s)
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, RETRY_MAX_S)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import nats
 import structlog
@@ -101,7 +102,8 @@ class Worker(Pulling, RequestServing):
                 error_cb=log_nats_error,
             )
         self.js = self._nc.jetstream()
-        await ensure_streams(self.js, self.subjects, self.s)
+        # A cluster may still be electing its JetStream leader: wait, don't exit.
+        await ensure_streams(self.js, self.subjects, self.s, patience_s=math.inf)
         await self.engine.start()
         refreeze()  # the engine's start-up objects (vLLM's): no collection walks them
 
