@@ -143,8 +143,10 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, asked: dict[str, A
 
 
 # JetStream not answering yet (no reply within the API timeout, nobody serving its API,
-# "temporarily unavailable"): worth another try. Anything else (refused settings,
-# denied permissions) is an answer and is raised at once.
+# "temporarily unavailable"): worth another try. An answer (settings refused, say) is
+# raised at once. A JetStream API subject the server denies this user looks like a
+# timeout here, so a service without those permissions keeps retrying; each try's
+# `jetstream_not_answering` then comes beside the server's permission error in its log.
 TRANSIENT_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
                     ServiceUnavailableError)
 RETRY_FIRST_S, RETRY_MAX_S = 0.25, 5.0
