@@ -149,7 +149,8 @@ class TlsFiles:
 
 @dataclass
 class NatsServer:
-    """A nats-server with JetStream, on a free port, storing under ``store_dir``.
+    """A nats-server with JetStream (unless ``jetstream`` is False), on a free port,
+    storing under ``store_dir``.
 
     ``auth_conf``: an authorization include (`fairlane nats-config`): clients must
     then log in. ``tls``: clients must speak TLS (a plaintext client is refused)."""
@@ -168,6 +169,9 @@ class NatsServer:
     # ``host`` its address there and ``cmd_prefix`` ``ip netns exec NAME``.
     host: str = "127.0.0.1"
     cmd_prefix: list[str] = field(default_factory=list)
+    # False: no JetStream (a test's stand-in for a cluster node whose JetStream does not
+    # answer yet); the store directory is then unused.
+    jetstream: bool = True
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -191,9 +195,9 @@ class NatsServer:
             "-a", self.host,
             "-p", str(self.port),
             "-m", str(self.monitor_port),
-            "-js",
-            "-sd", self.store_dir,
         ]
+        if self.jetstream:
+            args += ["-js", "-sd", self.store_dir]
         if self.server_name:
             args += ["--server_name", self.server_name]
         args += self.extra_args

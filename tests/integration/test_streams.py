@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import math
-import subprocess
 import time
 
 import nats
 import pytest
 from structlog.testing import capture_logs
 
-from fairlane.embedded import NatsServer, _wait_for_port, find_nats_server, free_port
+from fairlane.embedded import NatsServer
 from fairlane.streams import TRANSIENT_ERRORS, StreamSettings, ensure_streams
 from fairlane.subjects import Subjects
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -61,56 +60,41 @@ async def test_an_explicit_setting_changes_only_that_field_and_is_logged(nc, uid
     assert list(updates[0]["changes"]) == ["max_age"]
 
 
-@contextlib.contextmanager
-def _server_without_jetstream(port: int):
-    """A nats-server that takes connections but has no JetStream to answer its API,
-    as a cluster node does while its JetStream leader is still being elected."""
-    proc = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        _wait_for_port(port, proc, 15.0, "nats-server")
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
 async def test_a_service_waits_until_jetstream_answers_then_creates_the_streams(uid):
-    port = free_port()
     subjects = Subjects(f"t{uid}")
-    with _server_without_jetstream(port) as bare:
-        nc = await nats.connect(f"nats://127.0.0.1:{port}", max_reconnect_attempts=-1,
-                                reconnect_time_wait=0.2)
-        server = None
+    # Takes connections, but nothing answers the JetStream API: a cluster node whose
+    # JetStream leader is still being elected, as far as a client can tell.
+    bare = NatsServer(jetstream=False).start()
+    server = None
+    try:
+        nc = await nats.connect(bare.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         try:
             with capture_logs() as logs:
                 task = asyncio.create_task(
                     ensure_streams(nc.jetstream(), subjects, patience_s=math.inf))
-                for _ in range(200):  # until its first try has failed (<= 10 s)
-                    if any(e["event"] == "jetstream_not_answering" for e in logs):
-                        break
-                    await asyncio.sleep(0.05)
-                assert any(e["event"] == "jetstream_not_answering" for e in logs)
+                # Until its first try has failed (a log line: no event to await).
+                await wait_until(
+                    lambda: any(e["event"] == "jetstream_not_answering" for e in logs), 10)
                 assert not task.done()  # still waiting, not failed
                 # JetStream comes: the same address, now with it.
-                bare.terminate()
-                bare.wait(timeout=10)
-                server = NatsServer(port=port).start()
+                bare.stop()
+                server = NatsServer(port=bare.port).start()
                 await asyncio.wait_for(task, 20)
             js = nc.jetstream()
             assert (await js.stream_info(subjects.requests_stream)).config.name
             assert (await js.stream_info(subjects.usage_stream)).config.name
         finally:
             await nc.close()
-            if server is not None:
-                server.stop()
+    finally:
+        bare.stop()
+        if server is not None:
+            server.stop()
 
 
 async def test_without_patience_the_caller_is_told_at_once(uid):
-    port = free_port()
-    with _server_without_jetstream(port):
-        nc = await nats.connect(f"nats://127.0.0.1:{port}")
+    bare = NatsServer(jetstream=False).start()
+    try:
+        nc = await nats.connect(bare.url)
         try:
             js, subjects = nc.jetstream(), Subjects(f"t{uid}")
             t0 = time.monotonic()
@@ -124,3 +108,5 @@ async def test_without_patience_the_caller_is_told_at_once(uid):
             assert 1 <= len(tries) <= 3
         finally:
             await nc.close()
+    finally:
+        bare.stop()
