@@ -144,7 +144,8 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
         num_started = 0.0
         linted = True
         for name, url in urls.items():
-            text = _scrape(url, ADMIN_KEY if name == "streamer" else None)
+            key = ADMIN_KEY if name == "streamer" else None
+            text = _scrape(url, key)
             families = {f.name: f for f in text_string_to_metric_families(text)}
             ours = [n for n in families if n.startswith("fairlane_")]
             assert ours, f"{name}: no fairlane_ series"
@@ -156,7 +157,6 @@ async def test_every_process_serves_valid_metrics_that_match_what_clients_got(tm
             # for one (a watcher that never samples still fails here).
             role = "worker" if name.startswith("worker") else name
             lag_count = f"fairlane_{role}_event_loop_lag_seconds_count"
-            key = ADMIN_KEY if name == "streamer" else None
 
             def lag_sampled(url=url, lag_count=lag_count, key=key) -> bool:
                 return any(s.name == lag_count and s.value >= 1
